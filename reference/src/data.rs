@@ -1,0 +1,215 @@
+//! Deterministic test data without dependencies: a seeded generator and the value
+//! distributions kernel tests draw from.
+//!
+//! The generator is xoshiro256** (Blackman and Vigna, "Scrambled linear pseudorandom
+//! number generators", 2021) seeded through SplitMix64, the seeding its authors
+//! recommend. The same seed gives the same stream on every platform, so a failing
+//! case is reproduced by its seed alone. Invariants: `uniform()` is in `[0, 1)` with
+//! 53 random bits; `below(n)` is unbiased; test tensors never contain exact zeros
+//! (a zero hides sign, scale and indexing bugs).
+
+/// A seeded xoshiro256** generator.
+#[derive(Debug, Clone)]
+pub struct Rng {
+    state: [u64; 4],
+}
+
+/// One SplitMix64 step: advances `x` and returns a well-mixed output.
+fn splitmix64(x: &mut u64) -> u64 {
+    *x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *x;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl Rng {
+    /// A generator whose whole stream is determined by `seed`.
+    pub fn new(seed: u64) -> Self {
+        let mut x = seed;
+        // SplitMix64 never yields four zero words in a row, so the state is valid.
+        Self {
+            state: [
+                splitmix64(&mut x),
+                splitmix64(&mut x),
+                splitmix64(&mut x),
+                splitmix64(&mut x),
+            ],
+        }
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.state;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in `[0, 1)`, a multiple of 2^-53.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in `[0, 1)` as f32, a multiple of 2^-24.
+    pub fn uniform_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 * (1.0 / (1u32 << 24) as f32)
+    }
+
+    /// Uniform integer in `0..n`, unbiased (rejection of the incomplete last range).
+    ///
+    /// Panics if `n == 0`.
+    pub fn below(&mut self, n: usize) -> usize {
+        assert!(n > 0, "below(0) has no values");
+        let n = n as u64;
+        let limit = u64::MAX - u64::MAX % n;
+        loop {
+            let x = self.next_u64();
+            if x < limit {
+                return (x % n) as usize;
+            }
+        }
+    }
+
+    /// Standard normal (Box-Muller; one of the pair is discarded for simplicity).
+    pub fn normal(&mut self) -> f64 {
+        // 1 - uniform() is in (0, 1], so the logarithm is finite.
+        let r = (-2.0 * (1.0 - self.uniform()).ln()).sqrt();
+        r * (2.0 * std::f64::consts::PI * self.uniform()).cos()
+    }
+}
+
+/// `n` values of `normal() * scale`, with about 1% of them multiplied by 16 (the
+/// outliers real activations and weights have), and exact zeros replaced by
+/// `scale * 2^-10` so that no test runs on zeros.
+///
+/// Panics if `scale` is zero or not finite.
+pub fn normal_with_outliers(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    assert!(
+        scale != 0.0 && scale.is_finite(),
+        "scale must be finite and nonzero"
+    );
+    (0..n)
+        .map(|_| {
+            let mut v = (rng.normal() * scale as f64) as f32;
+            if rng.uniform() < 0.01 {
+                v *= 16.0;
+            }
+            if v == 0.0 {
+                v = scale / 1024.0;
+            }
+            v
+        })
+        .collect()
+}
+
+/// Index drawn with probability proportional to `probs` (non-negative, not all
+/// zero). Never returns an index whose weight is zero.
+pub fn categorical(rng: &mut Rng, probs: &[f64]) -> usize {
+    let total: f64 = probs.iter().sum();
+    assert!(total > 0.0, "categorical needs some positive weight");
+    let target = rng.uniform() * total;
+    let mut acc = 0.0;
+    for (i, &p) in probs.iter().enumerate() {
+        acc += p;
+        if acc > target && p > 0.0 {
+            return i;
+        }
+    }
+    // Rounding left the target at or above the final cumulative sum.
+    probs.iter().rposition(|&p| p > 0.0).unwrap()
+}
+
+/// A random probability vector of length `n`: each entry is zero with probability
+/// `zero_share` (at least one entry stays positive), the rest are Dirichlet(1)
+/// weights. Sums to 1 up to f32 rounding.
+///
+/// Panics if `n == 0`.
+pub fn random_distribution(rng: &mut Rng, n: usize, zero_share: f64) -> Vec<f32> {
+    assert!(n > 0, "empty distribution");
+    let mut w: Vec<f64> = (0..n)
+        .map(|_| {
+            let zero = rng.uniform() < zero_share;
+            // -ln(U) with U in (0, 1] is Exp(1); normalized Exp(1) draws are Dirichlet(1).
+            let weight = -(1.0 - rng.uniform()).ln();
+            if zero {
+                0.0
+            } else {
+                weight
+            }
+        })
+        .collect();
+    if w.iter().all(|&x| x == 0.0) {
+        w[rng.below(n)] = 1.0;
+    }
+    let total: f64 = w.iter().sum();
+    w.iter().map(|&x| (x / total) as f32).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_seed_same_stream() {
+        let (mut a, mut b) = (Rng::new(42), Rng::new(42));
+        for _ in 0..100 {
+            assert_eq!(a.next_u64(), b.next_u64());
+        }
+        assert_ne!(Rng::new(1).next_u64(), Rng::new(2).next_u64());
+    }
+
+    #[test]
+    fn uniform_and_normal_moments() {
+        let mut rng = Rng::new(9);
+        let n = 200_000;
+        let u: Vec<f64> = (0..n).map(|_| rng.uniform()).collect();
+        assert!(u.iter().all(|&x| (0.0..1.0).contains(&x)));
+        let mean = u.iter().sum::<f64>() / n as f64;
+        assert!((mean - 0.5).abs() < 0.005, "{mean}");
+        let z: Vec<f64> = (0..n).map(|_| rng.normal()).collect();
+        let zm = z.iter().sum::<f64>() / n as f64;
+        let zv = z.iter().map(|x| (x - zm).powi(2)).sum::<f64>() / n as f64;
+        assert!(zm.abs() < 0.01 && (zv - 1.0).abs() < 0.02, "{zm} {zv}");
+    }
+
+    #[test]
+    fn below_covers_its_range() {
+        let mut rng = Rng::new(3);
+        let mut seen = [0usize; 7];
+        for _ in 0..7000 {
+            seen[rng.below(7)] += 1;
+        }
+        assert!(seen.iter().all(|&c| c > 850 && c < 1150), "{seen:?}");
+    }
+
+    #[test]
+    fn outlier_data_has_no_zeros_and_some_outliers() {
+        let mut rng = Rng::new(11);
+        let v = normal_with_outliers(&mut rng, 100_000, 0.5);
+        assert!(v.iter().all(|&x| x != 0.0 && x.is_finite()));
+        let big = v.iter().filter(|x| x.abs() > 4.0).count();
+        assert!(big > 300 && big < 1500, "{big}");
+    }
+
+    #[test]
+    fn distributions_sum_to_one_and_respect_zeros() {
+        let mut rng = Rng::new(5);
+        for _ in 0..100 {
+            let p = random_distribution(&mut rng, 9, 0.5);
+            let sum: f64 = p.iter().map(|&x| x as f64).sum();
+            assert!((sum - 1.0).abs() < 1e-6);
+            assert!(p.iter().any(|&x| x > 0.0));
+            let p64: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+            for _ in 0..20 {
+                assert!(p[categorical(&mut rng, &p64)] > 0.0);
+            }
+        }
+    }
+}

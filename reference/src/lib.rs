@@ -1,0 +1,23 @@
+//! kiln's numerical oracle: naive, obviously-correct Rust for the math of every kiln
+//! kernel.
+//!
+//! Each module computes one operation the way its reference implementation (HF
+//! transformers' DeepseekV3, DeepSeek-V3's inference code, FlashMLA, ModelOpt)
+//! defines it, in f64 wherever the result is compared against a kernel, so the
+//! oracle's own rounding is negligible next to the kernel's. Kernel tests compare
+//! against these results with the bounds of [`tolerance`], the project's one
+//! tolerance helper. The crate has no runtime dependencies and no global state;
+//! speed is not a goal, clarity is.
+
+pub mod activation;
+pub mod data;
+pub mod formats;
+pub mod gemm;
+pub mod mla;
+pub mod moe_gate;
+pub mod norm;
+pub mod nvfp4;
+pub mod rope;
+pub mod softmax;
+pub mod tolerance;
+pub mod tree;
