@@ -1,0 +1,18 @@
+//! Runtime selection for kiln: which CubeCL runtime runs the kernels (wgpu or CUDA, chosen by
+//! cargo features and `KILN_BACKEND`), what the device can do, and the macro that stamps out
+//! one test per enabled backend.
+//!
+//! Code that runs kernels is generic over `cubecl::Runtime`; [`with_backend`] turns a
+//! run-time [`BackendKind`] into a call of such code with the right runtime and client.
+mod kind;
+mod report;
+mod runtimes;
+mod testgen;
+
+pub use kind::{BackendError, BackendKind};
+pub use report::DeviceReport;
+#[cfg(feature = "cuda")]
+pub use runtimes::Cuda;
+#[cfg(feature = "wgpu")]
+pub use runtimes::Wgpu;
+pub use runtimes::{with_backend, Backend, BackendVisitor};

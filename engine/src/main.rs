@@ -1,0 +1,44 @@
+//! `kiln`: the command-line entry point. Subcommands live in `cli/`, one module each.
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+/// kiln: an inference engine for coding-agent traffic on DeepSeek-V3 / Kimi-K2
+/// mixture-of-experts models, with kernels written once in CubeCL for CUDA and wgpu.
+///
+/// Logs go to stderr; set RUST_LOG (e.g. RUST_LOG=debug) for more. KILN_BACKEND picks the
+/// backend (wgpu or cuda) when --backend is not given; the default is CUDA when compiled in.
+#[derive(Parser)]
+#[command(name = "kiln", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run every kernel against the reference oracle on realistic shapes and print a table
+    /// (kernel, shape, backend, max abs/rel error, tolerance, pass, time). Exits non-zero
+    /// if any kernel disagrees with the reference.
+    Check(cli::check::CheckArgs),
+    /// Print the device the chosen backend runs on and what it supports (name, arch,
+    /// tensor-core types, bf16 / fp8 / fp4 support).
+    Info(cli::info::InfoArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new(
+                    "info,cubecl_wgpu=warn,wgpu_core=warn,wgpu_hal=warn",
+                )
+            }),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Check(args) => cli::check::run(args),
+        Command::Info(args) => cli::info::run(args),
+    }
+}

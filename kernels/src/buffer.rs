@@ -1,0 +1,80 @@
+//! A device buffer that knows its element type and length, so launches can validate shapes.
+use std::marker::PhantomData;
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+/// `len` elements of `T` in device memory.
+pub struct DeviceArray<T> {
+    handle: Handle,
+    len: usize,
+    _elem: PhantomData<T>,
+}
+
+impl<T> Clone for DeviceArray<T> {
+    fn clone(&self) -> Self {
+        Self {
+            handle: self.handle.clone(),
+            len: self.len,
+            _elem: PhantomData,
+        }
+    }
+}
+
+impl<T> DeviceArray<T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl<T: CubeElement> DeviceArray<T> {
+    /// Copies `data` to the device.
+    pub fn upload<R: Runtime>(client: &ComputeClient<R>, data: &[T]) -> Self {
+        Self {
+            handle: client.create_from_slice(T::as_bytes(data)),
+            len: data.len(),
+            _elem: PhantomData,
+        }
+    }
+
+    /// `len` copies of `value`: used to poison outputs before a kernel runs, so an element
+    /// the kernel fails to write shows up as the poison instead of a plausible zero.
+    pub fn filled<R: Runtime>(client: &ComputeClient<R>, len: usize, value: T) -> Self {
+        Self::upload(client, &vec![value; len])
+    }
+
+    /// Reads the buffer back (waits for the kernels that write it).
+    pub fn read<R: Runtime>(&self, client: &ComputeClient<R>) -> Vec<T> {
+        let bytes = client.read_one_unchecked(self.handle.clone());
+        T::from_bytes(&bytes)[..self.len].to_vec()
+    }
+
+    /// The kernel argument viewing this buffer.
+    pub(crate) fn arg<R: Runtime>(&self) -> ArrayArg<R> {
+        // SAFETY: `len` elements of `T` were allocated for this handle.
+        unsafe { ArrayArg::from_raw_parts(self.handle.clone(), self.len) }
+    }
+}
+
+/// Checks that `array` holds exactly `expected` elements.
+pub(crate) fn check_len<T>(
+    what: &'static str,
+    array: &DeviceArray<T>,
+    expected: usize,
+) -> Result<(), crate::KernelError> {
+    if array.len() == expected {
+        Ok(())
+    } else {
+        Err(crate::KernelError::Length {
+            what,
+            expected,
+            got: array.len(),
+        })
+    }
+}

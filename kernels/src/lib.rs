@@ -1,0 +1,24 @@
+//! kiln's GPU kernels, written once in CubeCL and generic over the runtime (wgpu, CUDA).
+//!
+//! Three families, each in its own module with its cube kernel, compile-time config, public
+//! launch (validating every input and answering with a typed [`KernelError`]) and an
+//! `_unchecked` launcher that trusts its input:
+//! - [`nvfp4_gemm`]: `C = A x W^T` with `W` in NVFP4, dense and grouped (MoE);
+//! - [`mla`]: MLA attention in the absorbed (MQA) form over a paged KV cache, decode and
+//!   prefill/extend, with bf16 or FlashMLA-layout fp8 KV;
+//! - [`tree_verify`]: greedy and stochastic verification of speculative token trees.
+//!
+//! The math each kernel computes is defined by `kiln-reference`, the oracle the conformance
+//! suite compares against. These are the correct-first versions; Hopper tuning comes later.
+//! [`blackwell`] names the place for the native FP4 tensor-core path.
+
+pub mod blackwell;
+pub mod buffer;
+pub mod error;
+pub mod formats;
+pub mod mla;
+pub mod nvfp4_gemm;
+pub mod tree_verify;
+
+pub use buffer::DeviceArray;
+pub use error::KernelError;

@@ -1,0 +1,201 @@
+//! MLA attention in the absorbed (MQA) form over a paged KV cache.
+//!
+//! Every head of a request attends to the same KV rows: 576 elements per token (512 latent,
+//! which are also the values, + 64 rope). Queries arrive already absorbed (`q_nope x W_UK`
+//! concatenated with the roped `q_pe`), `[tokens, heads, 576]`; outputs are the latent
+//! `[tokens, heads, 512]` before `W_UV`. A batch is ragged: request `b` has `q_len` query
+//! tokens at the end of its `kv_len` cached tokens, so query `i` sits at position
+//! `kv_len - q_len + i` and sees positions `0..=` that one (causal). Position `p` lives in
+//! page `block_table[b][p / page_size]`, slot `p % page_size`.
+//!
+//! One kernel, two tilings: [`mla_decode`] gives each query token its own cube (one or a few
+//! query tokens per request: decode, draft verification), [`mla_prefill`] gives a cube a tile
+//! of [`PREFILL_TILE`] consecutive query tokens of one request so each KV row read serves the
+//! whole tile (prefill/extend over a cached prefix). Both use an online softmax over chunks
+//! of [`CHUNK`] positions. The KV storage format (bf16, or FlashMLA's fp8 layout) is a
+//! compile-time parameter. Math oracle: `kiln_reference::mla::mla_attention`.
+mod kernel;
+
+use cubecl::prelude::*;
+
+use crate::buffer::check_len;
+use crate::{DeviceArray, KernelError};
+
+/// Elements of a key row: 512 latent + 64 rope.
+pub const KV_DIM: usize = 576;
+/// Elements of a value row (the latent part of the key row).
+pub const V_DIM: usize = 512;
+/// KV positions scored per chunk, one per unit of a cube.
+pub const CHUNK: u32 = 64;
+/// Query tokens per cube in [`mla_prefill`].
+pub const PREFILL_TILE: u32 = 4;
+/// Most query tokens per request that [`mla_decode`] takes (longer spans are prefill).
+pub const MAX_DECODE_Q_LEN: usize = 64;
+
+/// How one KV row is stored, as `u32` words.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvFormat {
+    /// 576 bf16 values, two per word (element `2i` in the low half).
+    Bf16,
+    /// FlashMLA's 656-byte row: 512 E4M3 latent codes, 4 f32 scales (one per 128 latent
+    /// elements, `value = code * scale`), 64 bf16 rope values.
+    Fp8,
+}
+
+impl KvFormat {
+    /// Words per KV row.
+    pub fn words_per_row(self) -> usize {
+        match self {
+            KvFormat::Bf16 => KV_DIM / 2,
+            KvFormat::Fp8 => 656 / 4,
+        }
+    }
+}
+
+/// A paged KV cache for one layer: `num_pages * page_size` rows.
+pub struct PagedKvCache {
+    pub data: DeviceArray<u32>,
+    pub format: KvFormat,
+    pub page_size: usize,
+    pub num_pages: usize,
+}
+
+/// Where each request's queries and KV rows are. Device arrays are trusted by the kernel;
+/// the host-side sizes are checked at launch.
+pub struct AttnMetadata {
+    /// Requests in the batch.
+    pub batch: usize,
+    /// Query tokens in the batch (`cu_q_lens[batch]`).
+    pub num_tokens: usize,
+    /// Largest `q_len` of the batch (sizes the grid).
+    pub max_q_len: usize,
+    /// `batch + 1` prefix sums of the requests' query lengths.
+    pub cu_q_lens: DeviceArray<u32>,
+    /// `batch` KV lengths, each counting the request's own query tokens.
+    pub kv_lens: DeviceArray<u32>,
+    /// `[batch, max_blocks]` page ids.
+    pub block_table: DeviceArray<u32>,
+    pub max_blocks: usize,
+}
+
+/// Attention for one or a few query tokens per request (decode, draft verification).
+pub fn mla_decode<R: Runtime>(
+    client: &ComputeClient<R>,
+    q: &DeviceArray<f32>,
+    heads: usize,
+    kv: &PagedKvCache,
+    meta: &AttnMetadata,
+    softmax_scale: f32,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    if meta.max_q_len > MAX_DECODE_Q_LEN {
+        return Err(KernelError::Range {
+            what: "query tokens per request (decode)",
+            value: meta.max_q_len,
+            min: 1,
+            max: MAX_DECODE_Q_LEN,
+        });
+    }
+    validate(client, q, heads, kv, meta, out)?;
+    launch_unchecked(client, q, heads, kv, meta, softmax_scale, out, 1);
+    Ok(())
+}
+
+/// Causal attention for long query spans over a cached prefix (prefill, extend).
+pub fn mla_prefill<R: Runtime>(
+    client: &ComputeClient<R>,
+    q: &DeviceArray<f32>,
+    heads: usize,
+    kv: &PagedKvCache,
+    meta: &AttnMetadata,
+    softmax_scale: f32,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    validate(client, q, heads, kv, meta, out)?;
+    launch_unchecked(client, q, heads, kv, meta, softmax_scale, out, PREFILL_TILE);
+    Ok(())
+}
+
+fn validate<R: Runtime>(
+    client: &ComputeClient<R>,
+    q: &DeviceArray<f32>,
+    heads: usize,
+    kv: &PagedKvCache,
+    meta: &AttnMetadata,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    let max = client.properties().hardware.max_cube_count;
+    let ranges = [
+        ("heads", heads, max.1 as usize),
+        ("batch", meta.batch, max.2 as usize),
+        ("page_size", kv.page_size, 1 << 16),
+        ("max_q_len", meta.max_q_len, max.0 as usize),
+        ("max_blocks", meta.max_blocks, u32::MAX as usize),
+    ];
+    for (what, value, max) in ranges {
+        if value == 0 || value > max {
+            return Err(KernelError::Range {
+                what,
+                value,
+                min: 1,
+                max,
+            });
+        }
+    }
+    let rows = kv.num_pages * kv.page_size;
+    check_len(
+        "KV cache (u32 words)",
+        &kv.data,
+        rows * kv.format.words_per_row(),
+    )?;
+    check_len("cu_q_lens", &meta.cu_q_lens, meta.batch + 1)?;
+    check_len("kv_lens", &meta.kv_lens, meta.batch)?;
+    check_len(
+        "block_table",
+        &meta.block_table,
+        meta.batch * meta.max_blocks,
+    )?;
+    check_len("queries", q, meta.num_tokens * heads * KV_DIM)?;
+    check_len("output", out, meta.num_tokens * heads * V_DIM)
+}
+
+/// Launches without validation: trusts every buffer to match `heads` and `meta`, the
+/// device metadata to be consistent (q_len <= kv_len, pages in range) and
+/// `tile` query tokens per cube to cover `meta.max_q_len`.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_unchecked<R: Runtime>(
+    client: &ComputeClient<R>,
+    q: &DeviceArray<f32>,
+    heads: usize,
+    kv: &PagedKvCache,
+    meta: &AttnMetadata,
+    softmax_scale: f32,
+    out: &DeviceArray<f32>,
+    tile: u32,
+) {
+    let tiles = (meta.max_q_len as u32).div_ceil(tile);
+    let config = kernel::MlaConfig {
+        tile,
+        chunk: CHUNK,
+        format: kv.format,
+    };
+    // SAFETY: the caller guarantees buffers and metadata agree with the shapes.
+    unsafe {
+        kernel::mla_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tiles, heads as u32, meta.batch as u32),
+            CubeDim::new_1d(CHUNK),
+            q.arg(),
+            kv.data.arg(),
+            meta.block_table.arg(),
+            meta.cu_q_lens.arg(),
+            meta.kv_lens.arg(),
+            out.arg(),
+            heads as u32,
+            meta.max_blocks as u32,
+            kv.page_size as u32,
+            softmax_scale,
+            config,
+        )
+    }
+}

@@ -1,0 +1,168 @@
+//! NVFP4 GEMM: `C[M, N] = A[M, K] x W[N, K]^T`, `W` in NVFP4, `A` in f32 or bf16, f32 accumulation.
+//!
+//! NVFP4 (ModelOpt convention): E2M1 codes packed two per byte (low nibble = even element),
+//! one E4M3 scale per 16 consecutive elements along K, one f32 global scale per matrix;
+//! `w = e2m1 * scale * global_scale`, evaluated in that order so the product is bit-exact with
+//! `kiln_reference::nvfp4`. Neither sm_90 nor wgpu has FP4 arithmetic, so codes and scales
+//! are decoded in registers.
+//!
+//! The grouped variant serves MoE: the rows of `A` are ordered by expert and
+//! `expert_offsets[e]..expert_offsets[e + 1]` are expert `e`'s rows; the offsets are read on
+//! the device (no host sync), so a decode step that routes on the device can call it.
+//!
+//! This is the correct-first kernel: one unit per output element. The tiled W4A16 kernel
+//! (fragment-ordered weights, split-K for small M) is the speed issue's work.
+mod kernel;
+
+use cubecl::prelude::*;
+
+use crate::buffer::check_len;
+use crate::{DeviceArray, KernelError};
+
+/// Elements per NVFP4 scale block along K.
+pub const BLOCK: usize = 16;
+/// Units per cube along N.
+const CUBE_N: u32 = 64;
+
+/// `experts` NVFP4 matrices of shape `[n, k]` on the device (`experts = 1` for a dense layer).
+pub struct Nvfp4Weights {
+    /// E2M1 codes, eight per word, element `8w + j` in bits `4j..4j + 4` of word `w`;
+    /// expert after expert, row-major within an expert.
+    pub packed: DeviceArray<u32>,
+    /// E4M3 block-scale bytes, four per word (little-endian), laid out as `[experts, n, k / 16]`.
+    pub scales: DeviceArray<u32>,
+    /// One f32 global scale per expert (`amax / (6 * 448)`).
+    pub global_scales: DeviceArray<f32>,
+    pub experts: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl Nvfp4Weights {
+    /// Checks the weights' buffers against their declared shape.
+    pub fn validate(&self) -> Result<(), KernelError> {
+        if self.k == 0 || self.k % BLOCK != 0 {
+            return Err(KernelError::Alignment {
+                what: "K",
+                value: self.k,
+                multiple: BLOCK,
+            });
+        }
+        if self.n == 0 || self.experts == 0 {
+            return Err(KernelError::Range {
+                what: if self.n == 0 { "N" } else { "experts" },
+                value: 0,
+                min: 1,
+                max: u32::MAX as usize,
+            });
+        }
+        let elems = self.experts * self.n * self.k;
+        check_len("NVFP4 packed codes (u32 words)", &self.packed, elems / 8)?;
+        check_len(
+            "NVFP4 block scales (u32 words)",
+            &self.scales,
+            (elems / BLOCK).div_ceil(4),
+        )?;
+        check_len("NVFP4 global scales", &self.global_scales, self.experts)
+    }
+}
+
+/// Dense NVFP4 GEMM: `out[m, n] = sum_k a[m, k] * w[n, k]`. `out` must hold `m * n` f32.
+pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: &Nvfp4Weights,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    if w.experts != 1 {
+        return Err(KernelError::Range {
+            what: "experts (dense GEMM)",
+            value: w.experts,
+            min: 1,
+            max: 1,
+        });
+    }
+    validate(client, a, m, w, out)?;
+    // The dense kernel never reads the offsets; any one-word buffer binds the slot.
+    let unused = DeviceArray::<u32>::upload(client, &[0]);
+    launch_unchecked(client, a, m, w, &unused, out, false);
+    Ok(())
+}
+
+/// Grouped (MoE) NVFP4 GEMM: row `r` of `a` uses expert `e` where
+/// `expert_offsets[e] <= r < expert_offsets[e + 1]`. The offsets (`experts + 1` values,
+/// non-decreasing, first 0, last `m`) live on the device and are trusted.
+pub fn nvfp4_grouped_gemm<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: &Nvfp4Weights,
+    expert_offsets: &DeviceArray<u32>,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    validate(client, a, m, w, out)?;
+    check_len("expert offsets", expert_offsets, w.experts + 1)?;
+    launch_unchecked(client, a, m, w, expert_offsets, out, true);
+    Ok(())
+}
+
+fn validate<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: &Nvfp4Weights,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    let props = client.properties();
+    if !props.supports_type(F::as_type_native_unchecked()) {
+        return Err(KernelError::Unsupported {
+            feature: format!("activations of type {}", std::any::type_name::<F>()),
+            device: R::name(client).to_string(),
+        });
+    }
+    w.validate()?;
+    let max_m = props.hardware.max_cube_count.0 as usize;
+    if m == 0 || m > max_m {
+        return Err(KernelError::Range {
+            what: "M",
+            value: m,
+            min: 1,
+            max: max_m,
+        });
+    }
+    check_len("activations A", a, m * w.k)?;
+    check_len("output C", out, m * w.n)
+}
+
+/// Launches without validation. Trusts that every buffer matches the shapes in `w` and `m`,
+/// that `k % 16 == 0` and, when `grouped`, that the offsets are well formed.
+pub fn launch_unchecked<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: &Nvfp4Weights,
+    expert_offsets: &DeviceArray<u32>,
+    out: &DeviceArray<f32>,
+    grouped: bool,
+) {
+    let cubes_n = (w.n as u32).div_ceil(CUBE_N);
+    // SAFETY: the caller guarantees the buffers match the shapes passed as scalars.
+    unsafe {
+        kernel::nvfp4_gemm_kernel::launch_unchecked::<F, R>(
+            client,
+            CubeCount::Static(m as u32, cubes_n, 1),
+            CubeDim::new_1d(CUBE_N),
+            a.arg(),
+            w.packed.arg(),
+            w.scales.arg(),
+            w.global_scales.arg(),
+            expert_offsets.arg(),
+            out.arg(),
+            w.n as u32,
+            w.k as u32,
+            w.experts as u32,
+            grouped,
+        )
+    }
+}

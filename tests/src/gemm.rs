@@ -1,0 +1,163 @@
+//! NVFP4 GEMM cases, dense and grouped, against `kiln_reference::gemm`.
+//!
+//! The weights are quantized by the reference and the kernel decodes the very same codes,
+//! so the reference multiplies exactly the values the kernel sees; activations are rounded
+//! to the activation dtype first. The only error left is f32 accumulation, bounded by
+//! `Tolerance::dot(K, f32, f32)` against `sum |a w|`.
+use cubecl::prelude::*;
+use kiln_kernels::nvfp4_gemm::{self, Nvfp4Weights};
+use kiln_kernels::{DeviceArray, KernelError};
+use kiln_reference::data::{normal_with_outliers, Rng};
+use kiln_reference::formats::pack_u8_words;
+use kiln_reference::gemm;
+use kiln_reference::nvfp4::{quantize_experts, Nvfp4Matrix};
+use kiln_reference::tolerance::{compare, DType, Tolerance};
+
+use crate::report::time_launch;
+use crate::{Activation, CaseReport};
+
+/// One GEMM problem. `rows_per_expert = None` is a dense GEMM with `m` rows; otherwise the
+/// grouped GEMM with `rows_per_expert[e]` rows for expert `e` (zeros allowed), `m` their sum.
+#[derive(Clone, Debug)]
+pub struct GemmCase {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub rows_per_expert: Option<Vec<usize>>,
+    pub seed: u64,
+}
+
+impl GemmCase {
+    pub fn dense(m: usize, n: usize, k: usize, seed: u64) -> Self {
+        GemmCase {
+            m,
+            n,
+            k,
+            rows_per_expert: None,
+            seed,
+        }
+    }
+
+    pub fn grouped(rows_per_expert: Vec<usize>, n: usize, k: usize, seed: u64) -> Self {
+        let m = rows_per_expert.iter().sum();
+        GemmCase {
+            m,
+            n,
+            k,
+            rows_per_expert: Some(rows_per_expert),
+            seed,
+        }
+    }
+
+    fn experts(&self) -> usize {
+        self.rows_per_expert.as_ref().map_or(1, Vec::len)
+    }
+
+    fn shape(&self) -> String {
+        match &self.rows_per_expert {
+            None => format!("M={} N={} K={}", self.m, self.n, self.k),
+            Some(rows) => {
+                format!(
+                    "E={} tokens={} N={} K={}",
+                    rows.len(),
+                    self.m,
+                    self.n,
+                    self.k
+                )
+            }
+        }
+    }
+}
+
+/// Uploads reference-quantized experts in the kernel's layout.
+pub fn upload_weights<R: Runtime>(
+    client: &ComputeClient<R>,
+    experts: &[Nvfp4Matrix],
+) -> Nvfp4Weights {
+    let (n, k) = (experts[0].rows, experts[0].cols);
+    let packed: Vec<u32> = experts.iter().flat_map(|e| e.packed_words()).collect();
+    let scale_bytes: Vec<u8> = experts
+        .iter()
+        .flat_map(|e| e.scales.iter().copied())
+        .collect();
+    let globals: Vec<f32> = experts.iter().map(|e| e.global_scale).collect();
+    Nvfp4Weights {
+        packed: DeviceArray::upload(client, &packed),
+        scales: DeviceArray::upload(client, &pack_u8_words(&scale_bytes)),
+        global_scales: DeviceArray::upload(client, &globals),
+        experts: experts.len(),
+        n,
+        k,
+    }
+}
+
+/// Runs the case on the device and against the reference.
+pub fn run_gemm<R: Runtime, F: Activation>(
+    client: &ComputeClient<R>,
+    case: &GemmCase,
+    timing: bool,
+) -> Result<CaseReport, KernelError> {
+    let mut rng = Rng::new(case.seed);
+    let experts = case.experts();
+    let a: Vec<F> = normal_with_outliers(&mut rng, case.m * case.k, 1.0)
+        .into_iter()
+        .map(F::round_from)
+        .collect();
+    let a_exact: Vec<f32> = a.iter().map(|x| x.exact_f32()).collect();
+    let w = normal_with_outliers(&mut rng, experts * case.n * case.k, 0.05);
+    let quantized =
+        quantize_experts(&w, experts, case.n, case.k).map_err(|_| KernelError::Alignment {
+            what: "K",
+            value: case.k,
+            multiple: 16,
+        })?;
+    let w_exact: Vec<f32> = quantized.iter().flat_map(|e| e.dequantize()).collect();
+
+    let weights = upload_weights(client, &quantized);
+    let a_dev = DeviceArray::upload(client, &a);
+    let out = DeviceArray::filled(client, case.m * case.n, f32::NAN);
+    let offsets: Option<Vec<usize>> = case.rows_per_expert.as_ref().map(|rows| {
+        std::iter::once(0)
+            .chain(rows.iter().scan(0, |acc, r| {
+                *acc += r;
+                Some(*acc)
+            }))
+            .collect()
+    });
+    let offsets_dev = offsets.as_ref().map(|o| {
+        let words: Vec<u32> = o.iter().map(|&x| x as u32).collect();
+        DeviceArray::upload(client, &words)
+    });
+    let launch = || match &offsets_dev {
+        None => nvfp4_gemm::nvfp4_gemm(client, &a_dev, case.m, &weights, &out),
+        Some(off) => nvfp4_gemm::nvfp4_grouped_gemm(client, &a_dev, case.m, &weights, off, &out),
+    };
+    launch()?;
+    let (expected, magnitude) = match &offsets {
+        None => (
+            gemm::gemm_nt(&a_exact, &w_exact, case.m, case.n, case.k),
+            gemm::gemm_nt_magnitude(&a_exact, &w_exact, case.m, case.n, case.k),
+        ),
+        Some(o) => (
+            gemm::grouped_gemm_nt(&a_exact, &w_exact, o, case.n, case.k),
+            gemm::grouped_gemm_nt_magnitude(&a_exact, &w_exact, o, case.n, case.k),
+        ),
+    };
+    let actual = out.read(client);
+    let tol = Tolerance::dot(case.k, DType::F32, DType::F32);
+    let cmp = compare(&actual, &expected, &tol.allowed_all(&expected, &magnitude));
+    let kernel = if case.rows_per_expert.is_some() {
+        "nvfp4_grouped_gemm"
+    } else {
+        "nvfp4_gemm"
+    };
+    let mut report = CaseReport::from_comparison(
+        kernel,
+        case.shape(),
+        F::NAME,
+        format!("gamma_{}(f32)", case.k),
+        &cmp,
+    );
+    report.time_us = time_launch(client, timing, || launch().expect("validated above"));
+    Ok(report)
+}

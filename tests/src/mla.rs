@@ -1,0 +1,184 @@
+//! MLA attention cases (decode and prefill/extend, bf16 and fp8 KV) against
+//! `kiln_reference::mla::mla_attention`.
+//!
+//! The cache is filled with random rows stored in the case's format; the reference attends
+//! over the decoded rows (the exact values the kernel decodes), so only arithmetic error is
+//! left, bounded by `tolerance::attention_allowed`. Pages are handed out in a shuffled order
+//! with spare pages between requests, so a wrong block-table lookup reads the wrong data.
+use cubecl::prelude::*;
+use kiln_kernels::mla::{self, AttnMetadata, KvFormat, PagedKvCache};
+use kiln_kernels::{DeviceArray, KernelError};
+use kiln_reference::data::{normal_with_outliers, Rng};
+use kiln_reference::formats::{bf16_encode, pack_u16_words, pack_u8_words};
+use kiln_reference::mla::{
+    fp8_row_encode, mla_attention, AttnBatch, PagedKv, KV_DIM, KV_LORA_RANK,
+};
+use kiln_reference::rope::{softmax_scale, YarnConfig};
+use kiln_reference::tolerance::{attention_allowed, compare, DType};
+
+use crate::report::time_launch;
+use crate::CaseReport;
+
+/// Which launch (tiling) runs the case.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnMode {
+    Decode,
+    Prefill,
+}
+
+/// One attention problem: per request, `q_lens[b]` new tokens at the end of `kv_lens[b]`.
+#[derive(Clone, Debug)]
+pub struct MlaCase {
+    pub heads: usize,
+    pub page_size: usize,
+    pub q_lens: Vec<usize>,
+    pub kv_lens: Vec<usize>,
+    pub format: KvFormat,
+    pub mode: AttnMode,
+    pub seed: u64,
+}
+
+impl MlaCase {
+    fn shape(&self) -> String {
+        let max_kv = self.kv_lens.iter().max().copied().unwrap_or(0);
+        format!(
+            "H={} B={} q<={} kv<={} page={}",
+            self.heads,
+            self.q_lens.len(),
+            self.q_lens.iter().max().copied().unwrap_or(0),
+            max_kv,
+            self.page_size
+        )
+    }
+}
+
+/// A shuffled page assignment: block tables, and how many pages the pool has.
+fn assign_pages(rng: &mut Rng, kv_lens: &[usize], page_size: usize) -> (Vec<Vec<u32>>, usize) {
+    let needed: Vec<usize> = kv_lens.iter().map(|l| l.div_ceil(page_size)).collect();
+    let num_pages = needed.iter().sum::<usize>() + kv_lens.len() + 1;
+    let mut pool: Vec<u32> = (0..num_pages as u32).collect();
+    for i in (1..pool.len()).rev() {
+        pool.swap(i, rng.below(i + 1));
+    }
+    let mut next = 0;
+    let tables = needed
+        .iter()
+        .map(|&n| {
+            let table = pool[next..next + n].to_vec();
+            next += n + 1; // leave a spare page between requests
+            table
+        })
+        .collect();
+    (tables, num_pages)
+}
+
+/// Runs the case on the device and against the reference.
+pub fn run_mla<R: Runtime>(
+    client: &ComputeClient<R>,
+    case: &MlaCase,
+    timing: bool,
+) -> Result<CaseReport, KernelError> {
+    let mut rng = Rng::new(case.seed);
+    let (tables, num_pages) = assign_pages(&mut rng, &case.kv_lens, case.page_size);
+    let rows = normal_with_outliers(&mut rng, num_pages * case.page_size * KV_DIM, 1.0);
+    let stored = PagedKv {
+        page_size: case.page_size,
+        num_pages,
+        rows,
+    };
+    let (words, seen) = match case.format {
+        KvFormat::Bf16 => {
+            let bits: Vec<u16> = stored.rows.iter().map(|&x| bf16_encode(x)).collect();
+            (pack_u16_words(&bits), stored.bf16_round())
+        }
+        KvFormat::Fp8 => {
+            let bytes: Vec<u8> = stored
+                .rows
+                .chunks(KV_DIM)
+                .flat_map(fp8_row_encode)
+                .collect();
+            (pack_u8_words(&bytes), stored.fp8_round())
+        }
+    };
+    let batch = AttnBatch {
+        q_lens: case.q_lens.clone(),
+        kv_lens: case.kv_lens.clone(),
+        block_tables: tables,
+    };
+    let tokens = batch.num_tokens();
+    let q = normal_with_outliers(&mut rng, tokens * case.heads * KV_DIM, 1.0);
+    let scale = softmax_scale(192, &YarnConfig::kimi_k2()) as f32;
+
+    let max_blocks = batch
+        .block_tables
+        .iter()
+        .map(Vec::len)
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let mut table = vec![0u32; case.q_lens.len() * max_blocks];
+    for (b, t) in batch.block_tables.iter().enumerate() {
+        table[b * max_blocks..b * max_blocks + t.len()].copy_from_slice(t);
+    }
+    let mut cu = vec![0u32];
+    for &l in &case.q_lens {
+        cu.push(cu.last().unwrap() + l as u32);
+    }
+    let kv_lens: Vec<u32> = case.kv_lens.iter().map(|&l| l as u32).collect();
+    let meta = AttnMetadata {
+        batch: case.q_lens.len(),
+        num_tokens: tokens,
+        max_q_len: case.q_lens.iter().copied().max().unwrap_or(0),
+        cu_q_lens: DeviceArray::upload(client, &cu),
+        kv_lens: DeviceArray::upload(client, &kv_lens),
+        block_table: DeviceArray::upload(client, &table),
+        max_blocks,
+    };
+    let cache = PagedKvCache {
+        data: DeviceArray::upload(client, &words),
+        format: case.format,
+        page_size: case.page_size,
+        num_pages,
+    };
+    let q_dev = DeviceArray::upload(client, &q);
+    let out = DeviceArray::filled(client, tokens * case.heads * KV_LORA_RANK, f32::NAN);
+    let launch = || match case.mode {
+        AttnMode::Decode => mla::mla_decode(client, &q_dev, case.heads, &cache, &meta, scale, &out),
+        AttnMode::Prefill => {
+            mla::mla_prefill(client, &q_dev, case.heads, &cache, &meta, scale, &out)
+        }
+    };
+    launch()?;
+    let actual = out.read(client);
+
+    let reference = mla_attention(&q, case.heads, &seen, &batch, scale);
+    let mut allowed = Vec::with_capacity(reference.out.len());
+    let mut t = 0;
+    for (&q_len, &kv_len) in case.q_lens.iter().zip(&case.kv_lens) {
+        for _ in 0..q_len * case.heads {
+            let bound = attention_allowed(
+                KV_DIM,
+                kv_len,
+                reference.score_magnitude[t],
+                reference.value_magnitude[t],
+                DType::F32,
+                DType::F32,
+            );
+            allowed.extend(std::iter::repeat_n(bound, KV_LORA_RANK));
+            t += 1;
+        }
+    }
+    let cmp = compare(&actual, &reference.out, &allowed);
+    let kernel = match case.mode {
+        AttnMode::Decode => "mla_decode",
+        AttnMode::Prefill => "mla_prefill",
+    };
+    let dtype = match case.format {
+        KvFormat::Bf16 => "bf16 kv",
+        KvFormat::Fp8 => "fp8 kv",
+    };
+    let mut report =
+        CaseReport::from_comparison(kernel, case.shape(), dtype, "attention(f32)".into(), &cmp);
+    report.time_us = time_launch(client, timing, || launch().expect("validated above"));
+    Ok(report)
+}
