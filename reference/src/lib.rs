@@ -19,5 +19,6 @@ pub mod norm;
 pub mod nvfp4;
 pub mod rope;
 pub mod softmax;
+pub mod stats;
 pub mod tolerance;
 pub mod tree;

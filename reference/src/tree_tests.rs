@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::data::{categorical, random_distribution, Rng};
+use crate::stats::{chi_square, critical_value_p001};
 
 /// Root 0 with children 1, 2; node 1 has children 3, 4; node 2 has child 5.
 fn sample_tree() -> Tree {
@@ -154,39 +155,6 @@ fn one_trial(rng: &mut Rng, p: &[f32], q: &[f32], children: usize) -> (u32, Verd
     (first, v)
 }
 
-/// Survival function of the chi-square distribution with an even number of degrees
-/// of freedom `2m`: `Q(x) = exp(-x/2) * sum_{j<m} (x/2)^j / j!` (the Poisson-tail
-/// identity for the regularized upper incomplete gamma function at integer order).
-fn chi_square_survival_even(x: f64, dof: usize) -> f64 {
-    assert!(dof % 2 == 0 && dof > 0);
-    let half = x / 2.0;
-    let mut term = 1.0;
-    let mut sum = 0.0;
-    for j in 0..dof / 2 {
-        if j > 0 {
-            term *= half / j as f64;
-        }
-        sum += term;
-    }
-    (-half).exp() * sum
-}
-
-/// Critical values at p = 0.001, derived from the closed form above:
-/// dof 2: exp(-x/2) = 0.001, so x = 2 ln 1000 = 13.8155;
-/// dof 4: exp(-x/2) (1 + x/2) = 0.001, solved by bisection: x = 18.4668.
-const CRITICAL_DOF2: f64 = 13.8155;
-const CRITICAL_DOF4: f64 = 18.4668;
-
-#[test]
-fn critical_values_solve_the_closed_form() {
-    for (crit, dof) in [(CRITICAL_DOF2, 2), (CRITICAL_DOF4, 4)] {
-        assert!(
-            (chi_square_survival_even(crit, dof) - 0.001).abs() < 1e-7,
-            "dof {dof}"
-        );
-    }
-}
-
 #[test]
 fn first_emitted_token_is_distributed_as_the_target() {
     let cases: [([f32; 5], [f32; 5]); 6] = [
@@ -207,25 +175,17 @@ fn first_emitted_token_is_distributed_as_the_target() {
         for _ in 0..trials {
             counts[one_trial(&mut rng, p, q, 3).0 as usize] += 1;
         }
-        let mut stat = 0.0;
-        let mut cells = 0;
-        for (t, &c) in counts.iter().enumerate() {
-            let expected = p[t] as f64 * trials as f64;
-            if expected == 0.0 {
-                assert_eq!(c, 0, "case {case}: token {t} has zero target probability");
-                continue;
-            }
-            stat += (c as f64 - expected).powi(2) / expected;
-            cells += 1;
-        }
-        let critical = match cells - 1 {
-            2 => CRITICAL_DOF2,
-            4 => CRITICAL_DOF4,
-            dof => unreachable!("no critical value for {dof} dof"),
-        };
+        let probs: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+        let fit = chi_square(&counts, &probs);
+        assert_eq!(
+            fit.impossible, 0,
+            "case {case}: zero-probability token emitted"
+        );
+        let critical = critical_value_p001(fit.dof);
         assert!(
-            stat < critical,
-            "case {case}: chi2 {stat:.2} >= {critical} ({counts:?})"
+            fit.statistic < critical,
+            "case {case}: chi2 {:.2} >= {critical} ({counts:?})",
+            fit.statistic
         );
     }
 }

@@ -1,0 +1,159 @@
+//! NVFP4 GEMM conformance on every enabled backend: proptest over shapes (M = 1, odd N,
+//! K any multiple of the 16-element scale block, empty experts) and values (normal with
+//! outliers), activations in f32 and, where the device stores it, bf16.
+use cubecl::prelude::*;
+use half::bf16;
+use kiln_conformance::gemm::{run_gemm, upload_weights, GemmCase};
+use kiln_conformance::Activation;
+use kiln_kernels::nvfp4_gemm::{nvfp4_gemm, nvfp4_grouped_gemm, Nvfp4Weights};
+use kiln_kernels::{DeviceArray, KernelError};
+use kiln_reference::nvfp4::Nvfp4Matrix;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+
+fn dense_cases() -> impl Strategy<Value = GemmCase> {
+    (1usize..=9, 1usize..=70, 1usize..=12, any::<u64>())
+        .prop_map(|(m, n, blocks, seed)| GemmCase::dense(m, n, blocks * 16, seed))
+}
+
+fn grouped_cases() -> impl Strategy<Value = GemmCase> {
+    (
+        prop::collection::vec(0usize..=4, 1..=6),
+        1usize..=40,
+        1usize..=6,
+        any::<u64>(),
+    )
+        .prop_filter("at least one row", |(rows, ..)| {
+            rows.iter().sum::<usize>() > 0
+        })
+        .prop_map(|(rows, n, blocks, seed)| GemmCase::grouped(rows, n, blocks * 16, seed))
+}
+
+fn run_cases<R: Runtime, F: Activation>(
+    client: &ComputeClient<R>,
+    strategy: impl Strategy<Value = GemmCase>,
+) {
+    let mut runner = TestRunner::new(Config {
+        cases: 24,
+        ..Config::default()
+    });
+    runner
+        .run(&strategy, |case| {
+            let report = run_gemm::<R, F>(client, &case, false).expect("valid case launches");
+            prop_assert!(report.passed, "{case:?}: {}", report.detail);
+            Ok(())
+        })
+        .unwrap();
+}
+
+fn dense<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
+    run_cases::<R, F>(client, dense_cases());
+}
+
+fn grouped<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
+    run_cases::<R, F>(client, grouped_cases());
+}
+
+/// Decode-sized shapes from Kimi-K2, pinned.
+fn kimi_decode_shapes<R: Runtime>(client: &ComputeClient<R>) {
+    for (m, n, k) in [(1, 512, 7168), (3, 7168, 256), (16, 96, 2048)] {
+        run_gemm::<R, f32>(client, &GemmCase::dense(m, n, k, 7), false)
+            .unwrap()
+            .assert_passed();
+    }
+}
+
+fn tiny_weights<R: Runtime>(client: &ComputeClient<R>, n: usize, k: usize) -> Nvfp4Weights {
+    let w: Vec<f32> = (0..n * k).map(|i| 1.0 + (i % 7) as f32).collect();
+    upload_weights(client, &[Nvfp4Matrix::quantize(&w, n, k).unwrap()])
+}
+
+fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
+    let w = tiny_weights(client, 4, 32);
+    let a = DeviceArray::upload(client, &[1.0f32; 64]);
+    let out = DeviceArray::filled(client, 8, f32::NAN);
+    // M disagrees with A's length.
+    assert_eq!(
+        nvfp4_gemm(client, &a, 3, &w, &out),
+        Err(KernelError::Length {
+            what: "activations A",
+            expected: 96,
+            got: 64
+        })
+    );
+    // Output too short.
+    let short = DeviceArray::filled(client, 7, f32::NAN);
+    assert!(matches!(
+        nvfp4_gemm(client, &a, 2, &w, &short),
+        Err(KernelError::Length {
+            what: "output C",
+            ..
+        })
+    ));
+    // M = 0.
+    assert!(matches!(
+        nvfp4_gemm(client, &a, 0, &w, &out),
+        Err(KernelError::Range { what: "M", .. })
+    ));
+    // K not a multiple of the scale block.
+    let odd_k = Nvfp4Weights {
+        k: 24,
+        ..tiny_weights(client, 4, 32)
+    };
+    assert_eq!(
+        nvfp4_gemm(client, &a, 2, &odd_k, &out),
+        Err(KernelError::Alignment {
+            what: "K",
+            value: 24,
+            multiple: 16
+        })
+    );
+    // Grouped: offsets must have experts + 1 entries.
+    let offsets = DeviceArray::upload(client, &[0u32]);
+    assert_eq!(
+        nvfp4_grouped_gemm(client, &a, 2, &w, &offsets, &out),
+        Err(KernelError::Length {
+            what: "expert offsets",
+            expected: 2,
+            got: 1
+        })
+    );
+    // A dense launch refuses several experts.
+    let two = upload_weights(
+        client,
+        &[
+            Nvfp4Matrix::quantize(&[1.0; 128], 4, 32).unwrap(),
+            Nvfp4Matrix::quantize(&[2.0; 128], 4, 32).unwrap(),
+        ],
+    );
+    assert!(matches!(
+        nvfp4_gemm(client, &a, 2, &two, &out),
+        Err(KernelError::Range { .. })
+    ));
+}
+
+/// bf16 activations on a device without bf16 storage are refused, not miscomputed.
+fn unsupported_dtype_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
+    if client
+        .properties()
+        .supports_type(bf16::as_type_native_unchecked())
+    {
+        eprintln!("SKIP unsupported_dtype_is_a_typed_error: this device stores bf16");
+        return;
+    }
+    let w = tiny_weights(client, 4, 32);
+    let a = DeviceArray::upload(client, &[bf16::ONE; 32]);
+    let out = DeviceArray::filled(client, 4, f32::NAN);
+    assert!(matches!(
+        nvfp4_gemm(client, &a, 1, &w, &out),
+        Err(KernelError::Unsupported { .. })
+    ));
+}
+
+kiln_backends::backend_tests! {
+    dense [f32, bf16],
+    grouped [f32, bf16],
+    kimi_decode_shapes,
+    bad_shapes_are_typed_errors,
+    unsupported_dtype_is_a_typed_error,
+}
