@@ -84,9 +84,7 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
         });
     }
     validate(client, a, m, w, out)?;
-    // The dense kernel never reads the offsets; any one-word buffer binds the slot.
-    let unused = DeviceArray::<u32>::upload(client, &[0]);
-    launch_unchecked(client, a, m, w, &unused, out, false);
+    launch_unchecked(client, a, m, w, None, out);
     Ok(())
 }
 
@@ -103,7 +101,7 @@ pub fn nvfp4_grouped_gemm<R: Runtime, F: Float + CubeElement>(
 ) -> Result<(), KernelError> {
     validate(client, a, m, w, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
-    launch_unchecked(client, a, m, w, expert_offsets, out, true);
+    launch_unchecked(client, a, m, w, Some(expert_offsets), out);
     Ok(())
 }
 
@@ -135,17 +133,19 @@ fn validate<R: Runtime, F: Float + CubeElement>(
     check_len("output C", out, m * w.n)
 }
 
-/// Launches without validation. Trusts that every buffer matches the shapes in `w` and `m`,
-/// that `k % 16 == 0` and, when `grouped`, that the offsets are well formed.
+/// Launches without validation (grouped when `expert_offsets` is given). Trusts that every
+/// buffer matches the shapes in `w` and `m`, that `k % 16 == 0` and that the offsets are
+/// well formed.
 pub fn launch_unchecked<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     a: &DeviceArray<F>,
     m: usize,
     w: &Nvfp4Weights,
-    expert_offsets: &DeviceArray<u32>,
+    expert_offsets: Option<&DeviceArray<u32>>,
     out: &DeviceArray<f32>,
-    grouped: bool,
 ) {
+    // A dense launch never reads the offsets slot; the packed weights (also u32) bind it.
+    let offsets = expert_offsets.unwrap_or(&w.packed);
     let cubes_n = (w.n as u32).div_ceil(CUBE_N);
     // SAFETY: the caller guarantees the buffers match the shapes passed as scalars.
     unsafe {
@@ -157,12 +157,12 @@ pub fn launch_unchecked<R: Runtime, F: Float + CubeElement>(
             w.packed.arg(),
             w.scales.arg(),
             w.global_scales.arg(),
-            expert_offsets.arg(),
+            offsets.arg(),
             out.arg(),
             w.n as u32,
             w.k as u32,
             w.experts as u32,
-            grouped,
+            expert_offsets.is_some(),
         )
     }
 }
