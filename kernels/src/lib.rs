@@ -3,7 +3,7 @@
 //! Three families, each in its own module with its cube kernel, compile-time config, public
 //! launch (validating every input and answering with a typed [`KernelError`]) and an
 //! `_unchecked` launcher that trusts its input:
-//! - [`nvfp4_gemm`]: `C = A x W^T` with `W` in NVFP4, dense and grouped (MoE);
+//! - [`gemm`]: `C = A x W^T` with `W` in NVFP4 (dense and grouped for MoE) or bf16;
 //! - [`mla`]: MLA attention in the absorbed (MQA) form over a paged KV cache, decode and
 //!   prefill/extend, with bf16 or FlashMLA-layout fp8 KV;
 //! - [`tree_verify`]: greedy and stochastic verification of speculative token trees.
@@ -16,8 +16,8 @@ pub mod blackwell;
 pub mod buffer;
 pub mod error;
 pub mod formats;
+pub mod gemm;
 pub mod mla;
-pub mod nvfp4_gemm;
 pub mod tree_verify;
 
 pub use buffer::DeviceArray;

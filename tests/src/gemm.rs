@@ -1,14 +1,16 @@
-//! NVFP4 GEMM cases, dense and grouped, against `kiln_reference::gemm`.
+//! GEMM cases (NVFP4 dense and grouped, bf16 dense) against `kiln_reference::gemm`.
 //!
-//! The weights are quantized by the reference and the kernel decodes the very same codes,
-//! so the reference multiplies exactly the values the kernel sees; activations are rounded
-//! to the activation dtype first. The only error left is f32 accumulation, bounded by
+//! NVFP4 weights are quantized by the reference and the kernel decodes the very same codes;
+//! bf16 weights are rounded to bf16 first. Either way the reference multiplies exactly the
+//! values the kernel sees; activations are rounded to the activation dtype first. The only error left is f32 accumulation, bounded by
 //! `Tolerance::dot(K, f32, f32)` against `sum |a w|`.
 use cubecl::prelude::*;
-use kiln_kernels::nvfp4_gemm::{self, Nvfp4Weights};
+use kiln_kernels::gemm::{
+    bf16_gemm, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, Nvfp4Weights, WeightFormat,
+};
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};
-use kiln_reference::formats::pack_u8_words;
+use kiln_reference::formats::{bf16_encode, bf16_round, pack_u16_words, pack_u8_words};
 use kiln_reference::gemm;
 use kiln_reference::nvfp4::{quantize_experts, Nvfp4Matrix};
 use kiln_reference::tolerance::{compare, DType, Tolerance};
@@ -17,13 +19,15 @@ use crate::report::time_launch;
 use crate::{Activation, CaseReport};
 
 /// One GEMM problem. `rows_per_expert = None` is a dense GEMM with `m` rows; otherwise the
-/// grouped GEMM with `rows_per_expert[e]` rows for expert `e` (zeros allowed), `m` their sum.
+/// grouped GEMM (NVFP4 only) with `rows_per_expert[e]` rows for expert `e` (zeros allowed),
+/// `m` their sum.
 #[derive(Clone, Debug)]
 pub struct GemmCase {
     pub m: usize,
     pub n: usize,
     pub k: usize,
     pub rows_per_expert: Option<Vec<usize>>,
+    pub format: WeightFormat,
     pub seed: u64,
 }
 
@@ -34,18 +38,23 @@ impl GemmCase {
             n,
             k,
             rows_per_expert: None,
+            format: WeightFormat::Nvfp4,
             seed,
+        }
+    }
+
+    pub fn bf16(m: usize, n: usize, k: usize, seed: u64) -> Self {
+        GemmCase {
+            format: WeightFormat::Bf16,
+            ..Self::dense(m, n, k, seed)
         }
     }
 
     pub fn grouped(rows_per_expert: Vec<usize>, n: usize, k: usize, seed: u64) -> Self {
         let m = rows_per_expert.iter().sum();
         GemmCase {
-            m,
-            n,
-            k,
             rows_per_expert: Some(rows_per_expert),
-            seed,
+            ..Self::dense(m, n, k, seed)
         }
     }
 
@@ -67,6 +76,12 @@ impl GemmCase {
             }
         }
     }
+}
+
+/// The weight operand of a case, on the device.
+enum Weights {
+    Nvfp4(Nvfp4Weights),
+    Bf16(Bf16Weights),
 }
 
 /// Uploads reference-quantized experts in the kernel's layout.
@@ -105,15 +120,32 @@ pub fn run_gemm<R: Runtime, F: Activation>(
         .collect();
     let a_exact: Vec<f32> = a.iter().map(|x| x.exact_f32()).collect();
     let w = normal_with_outliers(&mut rng, experts * case.n * case.k, 0.05);
-    let quantized =
-        quantize_experts(&w, experts, case.n, case.k).map_err(|_| KernelError::Alignment {
-            what: "K",
-            value: case.k,
-            multiple: 16,
-        })?;
-    let w_exact: Vec<f32> = quantized.iter().flat_map(|e| e.dequantize()).collect();
-
-    let weights = upload_weights(client, &quantized);
+    let (w_exact, weights) = match case.format {
+        WeightFormat::Nvfp4 => {
+            let quantized = quantize_experts(&w, experts, case.n, case.k).map_err(|_| {
+                KernelError::Alignment {
+                    what: "K",
+                    value: case.k,
+                    multiple: 16,
+                }
+            })?;
+            let exact: Vec<f32> = quantized.iter().flat_map(|e| e.dequantize()).collect();
+            (exact, Weights::Nvfp4(upload_weights(client, &quantized)))
+        }
+        WeightFormat::Bf16 => {
+            let bits: Vec<u16> = w.iter().map(|&x| bf16_encode(x)).collect();
+            let data = DeviceArray::upload(client, &pack_u16_words(&bits));
+            let exact = w.iter().map(|&x| bf16_round(x)).collect();
+            (
+                exact,
+                Weights::Bf16(Bf16Weights {
+                    data,
+                    n: case.n,
+                    k: case.k,
+                }),
+            )
+        }
+    };
     let a_dev = DeviceArray::upload(client, &a);
     let out = DeviceArray::filled(client, case.m * case.n, f32::NAN);
     let offsets: Option<Vec<usize>> = case.rows_per_expert.as_ref().map(|rows| {
@@ -128,9 +160,10 @@ pub fn run_gemm<R: Runtime, F: Activation>(
         let words: Vec<u32> = o.iter().map(|&x| x as u32).collect();
         DeviceArray::upload(client, &words)
     });
-    let launch = || match &offsets_dev {
-        None => nvfp4_gemm::nvfp4_gemm(client, &a_dev, case.m, &weights, &out),
-        Some(off) => nvfp4_gemm::nvfp4_grouped_gemm(client, &a_dev, case.m, &weights, off, &out),
+    let launch = || match (&weights, &offsets_dev) {
+        (Weights::Bf16(w), _) => bf16_gemm(client, &a_dev, case.m, w, &out),
+        (Weights::Nvfp4(w), None) => nvfp4_gemm(client, &a_dev, case.m, w, &out),
+        (Weights::Nvfp4(w), Some(off)) => nvfp4_grouped_gemm(client, &a_dev, case.m, w, off, &out),
     };
     launch()?;
     let (expected, magnitude) = match &offsets {
@@ -146,10 +179,10 @@ pub fn run_gemm<R: Runtime, F: Activation>(
     let actual = out.read(client);
     let tol = Tolerance::dot(case.k, DType::F32, DType::F32);
     let cmp = compare(&actual, &expected, &tol.allowed_all(&expected, &magnitude));
-    let kernel = if case.rows_per_expert.is_some() {
-        "nvfp4_grouped_gemm"
-    } else {
-        "nvfp4_gemm"
+    let kernel = match (case.format, case.rows_per_expert.is_some()) {
+        (WeightFormat::Bf16, _) => "bf16_gemm",
+        (WeightFormat::Nvfp4, false) => "nvfp4_gemm",
+        (WeightFormat::Nvfp4, true) => "nvfp4_grouped_gemm",
     };
     let mut report = CaseReport::from_comparison(
         kernel,

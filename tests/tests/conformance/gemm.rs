@@ -5,7 +5,7 @@ use cubecl::prelude::*;
 use half::bf16;
 use kiln_conformance::gemm::{run_gemm, upload_weights, GemmCase};
 use kiln_conformance::Activation;
-use kiln_kernels::nvfp4_gemm::{nvfp4_gemm, nvfp4_grouped_gemm, Nvfp4Weights};
+use kiln_kernels::gemm::{bf16_gemm, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, Nvfp4Weights};
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::nvfp4::Nvfp4Matrix;
 use proptest::prelude::*;
@@ -52,6 +52,13 @@ fn dense<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
 
 fn grouped<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
     run_cases::<R, F>(client, grouped_cases());
+}
+
+/// bf16 weights: K only needs to be even, so odd multiples of 2 are covered.
+fn bf16_weights<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
+    let cases = (1usize..=9, 1usize..=70, 1usize..=100, any::<u64>())
+        .prop_map(|(m, n, half_k, seed)| GemmCase::bf16(m, n, 2 * half_k, seed));
+    run_cases::<R, F>(client, cases);
 }
 
 /// Decode-sized shapes from Kimi-K2, pinned.
@@ -118,6 +125,20 @@ fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
             got: 1
         })
     );
+    // bf16 weights need an even K.
+    let odd = Bf16Weights {
+        data: DeviceArray::upload(client, &[0u32; 6]),
+        n: 4,
+        k: 3,
+    };
+    assert_eq!(
+        bf16_gemm(client, &a, 1, &odd, &out),
+        Err(KernelError::Alignment {
+            what: "K (bf16 weights)",
+            value: 3,
+            multiple: 2
+        })
+    );
     // A dense launch refuses several experts.
     let two = upload_weights(
         client,
@@ -153,6 +174,7 @@ fn unsupported_dtype_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
 kiln_backends::backend_tests! {
     dense [f32, bf16],
     grouped [f32, bf16],
+    bf16_weights [f32, bf16],
     kimi_decode_shapes,
     bad_shapes_are_typed_errors,
     unsupported_dtype_is_a_typed_error,

@@ -1,10 +1,11 @@
-//! NVFP4 GEMM: `C[M, N] = A[M, K] x W[N, K]^T`, `W` in NVFP4, `A` in f32 or bf16, f32 accumulation.
-//!
-//! NVFP4 (ModelOpt convention): E2M1 codes packed two per byte (low nibble = even element),
-//! one E4M3 scale per 16 consecutive elements along K, one f32 global scale per matrix;
-//! `w = e2m1 * scale * global_scale`, evaluated in that order so the product is bit-exact with
-//! `kiln_reference::nvfp4`. Neither sm_90 nor wgpu has FP4 arithmetic, so codes and scales
-//! are decoded in registers.
+//! GEMM with the weight format as a compile-time parameter:
+//! `C[M, N] = A[M, K] x W[N, K]^T`, `A` in f32 or bf16, f32 accumulation, `W` in
+//! - NVFP4 (ModelOpt convention): E2M1 codes packed two per byte (low nibble = even
+//!   element), one E4M3 scale per 16 consecutive elements along K, one f32 global scale per
+//!   matrix; `w = e2m1 * scale * global_scale`, evaluated in that order so the product is
+//!   bit-exact with `kiln_reference::nvfp4`. Neither sm_90 nor wgpu has FP4 arithmetic, so
+//!   codes and scales are decoded in registers;
+//! - bf16: the attention, dense-MLP, shared-expert and lm_head projections.
 //!
 //! The grouped variant serves MoE: the rows of `A` are ordered by expert and
 //! `expert_offsets[e]..expert_offsets[e + 1]` are expert `e`'s rows; the offsets are read on
@@ -24,6 +25,13 @@ pub const BLOCK: usize = 16;
 /// Units per cube along N.
 const CUBE_N: u32 = 64;
 
+/// How the weight operand is stored (a compile-time parameter of the kernel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    Nvfp4,
+    Bf16,
+}
+
 /// `experts` NVFP4 matrices of shape `[n, k]` on the device (`experts = 1` for a dense layer).
 pub struct Nvfp4Weights {
     /// E2M1 codes, eight per word, element `8w + j` in bits `4j..4j + 4` of word `w`;
@@ -38,6 +46,22 @@ pub struct Nvfp4Weights {
     pub k: usize,
 }
 
+/// A bf16 matrix `[n, k]` on the device, two values per word (element `2i` in the low half).
+pub struct Bf16Weights {
+    pub data: DeviceArray<u32>,
+    pub n: usize,
+    pub k: usize,
+}
+
+fn range_error(what: &'static str, value: usize) -> KernelError {
+    KernelError::Range {
+        what,
+        value,
+        min: 1,
+        max: u32::MAX as usize,
+    }
+}
+
 impl Nvfp4Weights {
     /// Checks the weights' buffers against their declared shape.
     pub fn validate(&self) -> Result<(), KernelError> {
@@ -48,13 +72,11 @@ impl Nvfp4Weights {
                 multiple: BLOCK,
             });
         }
-        if self.n == 0 || self.experts == 0 {
-            return Err(KernelError::Range {
-                what: if self.n == 0 { "N" } else { "experts" },
-                value: 0,
-                min: 1,
-                max: u32::MAX as usize,
-            });
+        if self.n == 0 {
+            return Err(range_error("N", 0));
+        }
+        if self.experts == 0 {
+            return Err(range_error("experts", 0));
         }
         let elems = self.experts * self.n * self.k;
         check_len("NVFP4 packed codes (u32 words)", &self.packed, elems / 8)?;
@@ -64,6 +86,23 @@ impl Nvfp4Weights {
             (elems / BLOCK).div_ceil(4),
         )?;
         check_len("NVFP4 global scales", &self.global_scales, self.experts)
+    }
+}
+
+impl Bf16Weights {
+    /// Checks the buffer against the declared shape (K even: rows start on a word).
+    pub fn validate(&self) -> Result<(), KernelError> {
+        if self.k == 0 || self.k % 2 != 0 {
+            return Err(KernelError::Alignment {
+                what: "K (bf16 weights)",
+                value: self.k,
+                multiple: 2,
+            });
+        }
+        if self.n == 0 {
+            return Err(range_error("N", 0));
+        }
+        check_len("bf16 weights (u32 words)", &self.data, self.n * self.k / 2)
     }
 }
 
@@ -83,8 +122,9 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
             max: 1,
         });
     }
-    validate(client, a, m, w, out)?;
-    launch_unchecked(client, a, m, w, None, out);
+    w.validate()?;
+    validate(client, a, m, w.n, w.k, out)?;
+    launch_nvfp4_unchecked(client, a, m, w, None, out);
     Ok(())
 }
 
@@ -99,9 +139,24 @@ pub fn nvfp4_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     expert_offsets: &DeviceArray<u32>,
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
-    validate(client, a, m, w, out)?;
+    w.validate()?;
+    validate(client, a, m, w.n, w.k, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
-    launch_unchecked(client, a, m, w, Some(expert_offsets), out);
+    launch_nvfp4_unchecked(client, a, m, w, Some(expert_offsets), out);
+    Ok(())
+}
+
+/// bf16-weight GEMM: `out[m, n] = sum_k a[m, k] * w[n, k]`.
+pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: &Bf16Weights,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    w.validate()?;
+    validate(client, a, m, w.n, w.k, out)?;
+    launch_bf16_unchecked(client, a, m, w, out);
     Ok(())
 }
 
@@ -109,7 +164,8 @@ fn validate<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     a: &DeviceArray<F>,
     m: usize,
-    w: &Nvfp4Weights,
+    n: usize,
+    k: usize,
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
     let props = client.properties();
@@ -119,7 +175,6 @@ fn validate<R: Runtime, F: Float + CubeElement>(
             device: R::name(client).to_string(),
         });
     }
-    w.validate()?;
     let max_m = props.hardware.max_cube_count.0 as usize;
     if m == 0 || m > max_m {
         return Err(KernelError::Range {
@@ -129,14 +184,14 @@ fn validate<R: Runtime, F: Float + CubeElement>(
             max: max_m,
         });
     }
-    check_len("activations A", a, m * w.k)?;
-    check_len("output C", out, m * w.n)
+    check_len("activations A", a, m * k)?;
+    check_len("output C", out, m * n)
 }
 
-/// Launches without validation (grouped when `expert_offsets` is given). Trusts that every
-/// buffer matches the shapes in `w` and `m`, that `k % 16 == 0` and that the offsets are
-/// well formed.
-pub fn launch_unchecked<R: Runtime, F: Float + CubeElement>(
+/// Launches the NVFP4 GEMM without validation (grouped when `expert_offsets` is given).
+/// Trusts that every buffer matches the shapes in `w` and `m`, that `k % 16 == 0` and that
+/// the offsets are well formed.
+pub fn launch_nvfp4_unchecked<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     a: &DeviceArray<F>,
     m: usize,
@@ -146,12 +201,12 @@ pub fn launch_unchecked<R: Runtime, F: Float + CubeElement>(
 ) {
     // A dense launch never reads the offsets slot; the packed weights (also u32) bind it.
     let offsets = expert_offsets.unwrap_or(&w.packed);
-    let cubes_n = (w.n as u32).div_ceil(CUBE_N);
-    // SAFETY: the caller guarantees the buffers match the shapes passed as scalars.
+    // SAFETY: the caller guarantees the buffers match the shapes passed as scalars; the
+    // kernel reads the f32 global scales through their bits.
     unsafe {
-        kernel::nvfp4_gemm_kernel::launch_unchecked::<F, R>(
+        kernel::gemm_kernel::launch_unchecked::<F, R>(
             client,
-            CubeCount::Static(m as u32, cubes_n, 1),
+            CubeCount::Static(m as u32, (w.n as u32).div_ceil(CUBE_N), 1),
             CubeDim::new_1d(CUBE_N),
             a.arg(),
             w.packed.arg(),
@@ -163,6 +218,36 @@ pub fn launch_unchecked<R: Runtime, F: Float + CubeElement>(
             w.k as u32,
             w.experts as u32,
             expert_offsets.is_some(),
+            WeightFormat::Nvfp4,
+        )
+    }
+}
+
+/// Launches the bf16 GEMM without validation: trusts the buffers to match `w` and `m`.
+pub fn launch_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: &Bf16Weights,
+    out: &DeviceArray<f32>,
+) {
+    // SAFETY: as above; the scale and offset slots are bound to the weights and never read.
+    unsafe {
+        kernel::gemm_kernel::launch_unchecked::<F, R>(
+            client,
+            CubeCount::Static(m as u32, (w.n as u32).div_ceil(CUBE_N), 1),
+            CubeDim::new_1d(CUBE_N),
+            a.arg(),
+            w.data.arg(),
+            w.data.arg(),
+            w.data.arg(),
+            w.data.arg(),
+            out.arg(),
+            w.n as u32,
+            w.k as u32,
+            1,
+            false,
+            WeightFormat::Bf16,
         )
     }
 }

@@ -1,0 +1,106 @@
+//! The cube kernel: one unit per output element; the weight format is a compile-time
+//! parameter, so bf16 projections and NVFP4 experts share one kernel and one tiling.
+use cubecl::prelude::*;
+
+use super::WeightFormat;
+use crate::formats::{bf16_to_f32, byte_at, e2m1_to_f32, e4m3_to_f32, half_at};
+
+/// `out[row, col] = sum_k a[row, k] * w_e[col, k]`, with `e` the row's expert when `grouped`.
+/// For bf16 weights `scales` and `global_scales` are bound but never read.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_kernel<F: Float>(
+    a: &Array<F>,
+    weights: &Array<u32>,
+    scales: &Array<u32>,
+    global_scales: &Array<u32>,
+    expert_offsets: &Array<u32>,
+    out: &mut Array<f32>,
+    n: u32,
+    k: u32,
+    experts: u32,
+    #[comptime] grouped: bool,
+    #[comptime] format: WeightFormat,
+) {
+    let row = CUBE_POS_X;
+    let col = CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X;
+    if col < n {
+        let mut expert = 0u32;
+        if grouped {
+            expert = find_expert(expert_offsets, row, experts);
+        }
+        let w_row = (expert * n + col) as usize;
+        let a_base = row as usize * k as usize;
+        let acc = if comptime!(format == WeightFormat::Nvfp4) {
+            let global = f32::reinterpret(global_scales[expert as usize]);
+            nvfp4_dot(a, a_base, weights, scales, global, w_row, k as usize)
+        } else {
+            bf16_dot(a, a_base, weights, w_row, k as usize)
+        };
+        out[row as usize * n as usize + col as usize] = acc;
+    }
+}
+
+/// `sum_k a[a_base + k] * w[w_row, k]`, `w` in NVFP4 (`w = e2m1 * scale * global`).
+#[cube]
+fn nvfp4_dot<F: Float>(
+    a: &Array<F>,
+    a_base: usize,
+    packed: &Array<u32>,
+    scales: &Array<u32>,
+    global: f32,
+    w_row: usize,
+    k: usize,
+) -> f32 {
+    let blocks = k / 16;
+    let word_base = w_row * blocks * 2;
+    let scale_base = w_row * blocks;
+    let mut acc = 0.0f32;
+    for blk in 0..blocks {
+        let scale = e4m3_to_f32(byte_at(scales, scale_base + blk));
+        #[unroll]
+        for half in 0..2usize {
+            let word = packed[word_base + blk * 2 + half];
+            let a_off = a_base + blk * 16 + half * 8;
+            #[unroll]
+            for j in 0..8usize {
+                let w = e2m1_to_f32(word >> (4 * j as u32)) * scale * global;
+                acc += f32::cast_from(a[a_off + j]) * w;
+            }
+        }
+    }
+    acc
+}
+
+/// `sum_k a[a_base + k] * w[w_row, k]`, `w` in bf16, two per word.
+#[cube]
+fn bf16_dot<F: Float>(
+    a: &Array<F>,
+    a_base: usize,
+    words: &Array<u32>,
+    w_row: usize,
+    k: usize,
+) -> f32 {
+    let w_base = w_row * k;
+    let mut acc = 0.0f32;
+    for kk in 0..k {
+        acc += f32::cast_from(a[a_base + kk]) * bf16_to_f32(half_at(words, w_base + kk));
+    }
+    acc
+}
+
+/// The largest `e < experts` with `offsets[e] <= row` (binary search; empty experts skipped).
+#[cube]
+fn find_expert(offsets: &Array<u32>, row: u32, experts: u32) -> u32 {
+    let mut lo = 0u32;
+    let mut hi = experts;
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if offsets[mid as usize] <= row {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
