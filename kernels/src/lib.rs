@@ -6,18 +6,24 @@
 //! - [`gemm`]: `C = A x W^T` with `W` in NVFP4 (dense and grouped for MoE) or bf16;
 //! - [`mla`]: MLA attention in the absorbed (MQA) form over a paged KV cache, decode and
 //!   prefill/extend, with bf16 or FlashMLA-layout fp8 KV;
-//! - [`tree_verify`]: greedy and stochastic verification of speculative token trees.
+//! - [`tree_verify`]: greedy and stochastic verification of speculative token trees;
+//! - the model's glue: [`rmsnorm`] (with the fused residual add), [`rope`], [`activation`]
+//!   (SwiGLU) and [`embedding`].
 //!
 //! The math each kernel computes is defined by `kiln-reference`, the oracle the conformance
 //! suite compares against. These are the correct-first versions; Hopper tuning comes later.
 //! [`blackwell`] names the place for the native FP4 tensor-core path.
 
+pub mod activation;
 pub mod blackwell;
 pub mod buffer;
+pub mod embedding;
 pub mod error;
 pub mod formats;
 pub mod gemm;
 pub mod mla;
+pub mod rmsnorm;
+pub mod rope;
 pub mod tree_verify;
 
 pub use buffer::DeviceArray;

@@ -157,6 +157,35 @@ pub fn attention_allowed(
     (relative + out.unit_roundoff()) * value_magnitude
 }
 
+/// Allowed error of one rotated RoPE element at position `pos`, whose pair has
+/// `|x0| + |x1| = pair_magnitude`, with the cos/sin scale `scale`.
+///
+/// Derivation, with `u = u_acc`:
+/// 1. The angle `pos * inv_freq` is formed in f32 as the peers do: the frequency is
+///    rounded once and the product once, so the angle is off by at most
+///    `2 u |angle| <= 2 u pos` (inv_freq <= 1).
+/// 2. `sin` and `cos` themselves: WGSL only promises an absolute error of 2^-11 on
+///    [-pi, pi] (CUDA's non-fast sinf/cosf: 2 ulp), and range reduction of larger angles
+///    adds the angle's own rounding, already counted in 1. So each of cos and sin is off
+///    by at most `2^-11 + 2 u pos`.
+/// 3. `x0 cos - x1 sin` then moves by at most `pair_magnitude` times that, and the two
+///    products, the difference and the scale multiply add `4 u` relative to
+///    `pair_magnitude * scale`.
+///
+/// Result: `(2^-11 + 2 u pos + 4 u) * pair_magnitude * scale + u_out |expected|`.
+pub fn rope_allowed(
+    pos: usize,
+    pair_magnitude: f64,
+    scale: f64,
+    expected: f64,
+    acc: DType,
+    out: DType,
+) -> f64 {
+    let u = acc.unit_roundoff();
+    let trig = 2f64.powi(-11) + 2.0 * u * pos as f64;
+    (trig + 4.0 * u) * pair_magnitude * scale + out.unit_roundoff() * expected.abs()
+}
+
 /// Summary of an element-wise comparison against the oracle.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Comparison {

@@ -2,5 +2,6 @@
 //! every kernel against `kiln-reference` on every backend the crate is built with.
 //! Test names read `<family>::<backend>::<case>[::<dtype>]`.
 mod gemm;
+mod glue;
 mod mla;
 mod tree;

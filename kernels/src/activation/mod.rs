@@ -1,0 +1,45 @@
+//! SwiGLU's activation: `out = silu(gate) * up`, elementwise over `[rows, inter]`, where
+//! `silu(x) = x / (1 + e^-x)`. Oracle: `kiln_reference::activation::silu_and_mul` (which
+//! takes gate and up side by side in one row).
+use cubecl::prelude::*;
+
+use crate::buffer::check_len;
+use crate::{DeviceArray, KernelError};
+
+const UNITS: u32 = 256;
+
+#[cube(launch_unchecked)]
+fn silu_mul_kernel(gate: &Array<f32>, up: &Array<f32>, out: &mut Array<f32>) {
+    let i = ABSOLUTE_POS;
+    if i < out.len() {
+        let g = gate[i];
+        out[i] = g / (1.0 + (-g).exp()) * up[i];
+    }
+}
+
+/// `out[i] = silu(gate[i]) * up[i]` for equally long `gate`, `up` and `out`.
+pub fn silu_mul<R: Runtime>(
+    client: &ComputeClient<R>,
+    gate: &DeviceArray<f32>,
+    up: &DeviceArray<f32>,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    check_len("up", up, gate.len())?;
+    check_len("output", out, gate.len())?;
+    if gate.is_empty() {
+        return Ok(());
+    }
+    let cubes = (gate.len() as u32).div_ceil(UNITS);
+    // SAFETY: all three buffers hold `gate.len()` elements.
+    unsafe {
+        silu_mul_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(cubes, 1, 1),
+            CubeDim::new_1d(UNITS),
+            gate.arg(),
+            up.arg(),
+            out.arg(),
+        )
+    }
+    Ok(())
+}

@@ -1,0 +1,132 @@
+//! RMSNorm over rows, optionally fused with the residual add that precedes it:
+//! `y = x / sqrt(mean(x^2) + eps) * weight`; the fused form first does `residual += delta`
+//! and normalises the updated residual, saving one pass over the hidden state per norm.
+//! Oracle: `kiln_reference::norm::rmsnorm`. One cube per row, a shared-memory reduction of
+//! the sum of squares (no subgroup operations, so it runs on llvmpipe too).
+use cubecl::prelude::*;
+
+use crate::buffer::check_len;
+use crate::{DeviceArray, KernelError};
+
+const UNITS: u32 = 128;
+
+#[cube(launch_unchecked)]
+fn rmsnorm_kernel(
+    residual: &mut Array<f32>,
+    delta: &Array<f32>,
+    weight: &Array<f32>,
+    out: &mut Array<f32>,
+    cols: u32,
+    eps: f32,
+    #[comptime] fused_add: bool,
+) {
+    let row = CUBE_POS_X as usize;
+    let unit = UNIT_POS_X as usize;
+    let n = cols as usize;
+    let base = row * n;
+    let mut partials = SharedMemory::<f32>::new(UNITS as usize);
+    let mut sum = 0.0f32;
+    for c in range_stepped(unit, n, UNITS as usize) {
+        let mut v = residual[base + c];
+        if fused_add {
+            v += delta[base + c];
+            residual[base + c] = v;
+        }
+        sum += v * v;
+    }
+    partials[unit] = sum;
+    sync_cube();
+    let levels = comptime!(UNITS.trailing_zeros());
+    for level in 0..levels {
+        let stride = (UNITS as usize) >> (level + 1) as usize;
+        if unit < stride {
+            partials[unit] += partials[unit + stride];
+        }
+        sync_cube();
+    }
+    let inv = 1.0 / (partials[0] / f32::cast_from(cols) + eps).sqrt();
+    for c in range_stepped(unit, n, UNITS as usize) {
+        out[base + c] = residual[base + c] * inv * weight[c];
+    }
+}
+
+fn validate(
+    x: &DeviceArray<f32>,
+    rows: usize,
+    weight: &DeviceArray<f32>,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    let cols = weight.len();
+    if rows == 0 || cols == 0 {
+        return Err(KernelError::Range {
+            what: "rows and columns",
+            value: 0,
+            min: 1,
+            max: u32::MAX as usize,
+        });
+    }
+    check_len("input rows", x, rows * cols)?;
+    check_len("output rows", out, rows * cols)
+}
+
+/// `out = rmsnorm(x) * weight` for `rows` rows of `weight.len()` columns.
+pub fn rmsnorm<R: Runtime>(
+    client: &ComputeClient<R>,
+    x: &DeviceArray<f32>,
+    rows: usize,
+    weight: &DeviceArray<f32>,
+    eps: f32,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    validate(x, rows, weight, out)?;
+    // SAFETY: validated; without the fused add the delta slot is never read (bound to the
+    // weights, since one buffer may not be bound writable and read-only at once).
+    unsafe { launch(client, x, weight, rows, weight, eps, out, false) };
+    Ok(())
+}
+
+/// `residual += delta; out = rmsnorm(residual) * weight`.
+pub fn add_rmsnorm<R: Runtime>(
+    client: &ComputeClient<R>,
+    residual: &DeviceArray<f32>,
+    delta: &DeviceArray<f32>,
+    rows: usize,
+    weight: &DeviceArray<f32>,
+    eps: f32,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    validate(residual, rows, weight, out)?;
+    check_len("delta rows", delta, rows * weight.len())?;
+    // SAFETY: validated above.
+    unsafe { launch(client, residual, delta, rows, weight, eps, out, true) };
+    Ok(())
+}
+
+/// # Safety
+/// Buffers must hold `rows * weight.len()` elements.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch<R: Runtime>(
+    client: &ComputeClient<R>,
+    residual: &DeviceArray<f32>,
+    delta: &DeviceArray<f32>,
+    rows: usize,
+    weight: &DeviceArray<f32>,
+    eps: f32,
+    out: &DeviceArray<f32>,
+    fused_add: bool,
+) {
+    unsafe {
+        rmsnorm_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(rows as u32, 1, 1),
+            CubeDim::new_1d(UNITS),
+            residual.arg(),
+            delta.arg(),
+            weight.arg(),
+            out.arg(),
+            weight.len() as u32,
+            eps,
+            fused_add,
+        )
+    }
+}
