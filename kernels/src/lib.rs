@@ -7,6 +7,7 @@
 //! - [`mla`]: MLA attention in the absorbed (MQA) form over a paged KV cache, decode and
 //!   prefill/extend, with bf16 or FlashMLA-layout fp8 KV;
 //! - [`tree_verify`]: greedy and stochastic verification of speculative token trees;
+//! - [`moe`]: routing, dispatch to the grouped GEMM and the weighted combine;
 //! - the model's glue: [`rmsnorm`] (with the fused residual add), [`rope`], [`activation`]
 //!   (SwiGLU) and [`embedding`].
 //!
@@ -22,6 +23,7 @@ pub mod error;
 pub mod formats;
 pub mod gemm;
 pub mod mla;
+pub mod moe;
 pub mod rmsnorm;
 pub mod rope;
 pub mod tree_verify;

@@ -4,4 +4,5 @@
 mod gemm;
 mod glue;
 mod mla;
+mod moe;
 mod tree;

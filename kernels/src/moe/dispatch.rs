@@ -1,0 +1,170 @@
+//! Grouping (token, choice) pairs by expert for the grouped GEMM: a stable counting sort on
+//! the device. Pair `a = t * k + j` (token `t`'s `j`-th expert) lands at sorted row
+//! `slot[a]`; rows `offsets[e]..offsets[e + 1]` belong to expert `e`, in token order;
+//! `source[r]` is the token whose activations feed sorted row `r`.
+//!
+//! One cube: each unit counts and then places the pairs of its own experts (a unit per
+//! expert, strided), unit 0 turns counts into offsets. Fine for decode batches and prefill
+//! chunks; a multi-cube sort is the speed issue's business.
+use cubecl::prelude::*;
+
+use super::gate::MAX_EXPERTS;
+use crate::buffer::check_len;
+use crate::{DeviceArray, KernelError};
+
+const UNITS: u32 = 256;
+
+/// The sort's outputs.
+pub struct Dispatch {
+    /// `experts + 1` row offsets of each expert's block.
+    pub offsets: DeviceArray<u32>,
+    /// Sorted row of each (token, choice) pair, `[tokens * k]`.
+    pub slot: DeviceArray<u32>,
+    /// Token feeding each sorted row, `[tokens * k]`.
+    pub source: DeviceArray<u32>,
+}
+
+#[cube(launch_unchecked)]
+fn dispatch_kernel(
+    experts: &Array<u32>,
+    offsets: &mut Array<u32>,
+    slot: &mut Array<u32>,
+    source: &mut Array<u32>,
+    n_experts: u32,
+    top_k: u32,
+) {
+    let unit = UNIT_POS_X as usize;
+    let pairs = experts.len();
+    let mut counts = SharedMemory::<u32>::new(MAX_EXPERTS + 1);
+    for e in range_stepped(unit, n_experts as usize, UNITS as usize) {
+        let mut c = 0u32;
+        for a in 0..pairs {
+            if experts[a] == e as u32 {
+                c += 1;
+            }
+        }
+        counts[e] = c;
+    }
+    sync_cube();
+    if unit == 0 {
+        let mut running = 0u32;
+        for e in 0..n_experts as usize {
+            let c = counts[e];
+            counts[e] = running;
+            offsets[e] = running;
+            running += c;
+        }
+        offsets[n_experts as usize] = running;
+    }
+    sync_cube();
+    for e in range_stepped(unit, n_experts as usize, UNITS as usize) {
+        let mut next = counts[e];
+        for a in 0..pairs {
+            if experts[a] == e as u32 {
+                slot[a] = next;
+                source[next as usize] = a as u32 / top_k;
+                next += 1;
+            }
+        }
+    }
+}
+
+/// Sorts the `tokens * k` routed pairs in `experts` by expert.
+pub fn dispatch<R: Runtime>(
+    client: &ComputeClient<R>,
+    experts: &DeviceArray<u32>,
+    n_experts: usize,
+    top_k: usize,
+    out: &Dispatch,
+) -> Result<(), KernelError> {
+    if n_experts == 0 || n_experts > MAX_EXPERTS {
+        return Err(KernelError::Range {
+            what: "experts",
+            value: n_experts,
+            min: 1,
+            max: MAX_EXPERTS,
+        });
+    }
+    if top_k == 0 || experts.len() % top_k != 0 {
+        return Err(KernelError::Alignment {
+            what: "routed pairs",
+            value: experts.len(),
+            multiple: top_k.max(1),
+        });
+    }
+    check_len("expert offsets", &out.offsets, n_experts + 1)?;
+    check_len("slots", &out.slot, experts.len())?;
+    check_len("sources", &out.source, experts.len())?;
+    if experts.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: shapes validated; expert ids are trusted to be below `n_experts` (the router
+    // writes them).
+    unsafe {
+        dispatch_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(UNITS),
+            experts.arg(),
+            out.offsets.arg(),
+            out.slot.arg(),
+            out.source.arg(),
+            n_experts as u32,
+            top_k as u32,
+        )
+    }
+    Ok(())
+}
+
+#[cube(launch_unchecked)]
+fn gather_kernel(x: &Array<f32>, source: &Array<u32>, out: &mut Array<f32>, cols: u32) {
+    let r = CUBE_POS_Y as usize;
+    let c = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let n = cols as usize;
+    if c < n {
+        out[r * n + c] = x[source[r] as usize * n + c];
+    }
+}
+
+/// `out[r, :] = x[source[r], :]` for rows of `cols` values.
+pub fn gather_rows<R: Runtime>(
+    client: &ComputeClient<R>,
+    x: &DeviceArray<f32>,
+    cols: usize,
+    source: &DeviceArray<u32>,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    if cols == 0 || x.len() % cols != 0 {
+        return Err(KernelError::Alignment {
+            what: "rows of x",
+            value: x.len(),
+            multiple: cols.max(1),
+        });
+    }
+    check_len("gathered rows", out, source.len() * cols)?;
+    let max = client.properties().hardware.max_cube_count.1 as usize;
+    if source.len() > max {
+        return Err(KernelError::Range {
+            what: "gathered rows",
+            value: source.len(),
+            min: 0,
+            max,
+        });
+    }
+    if source.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: shapes validated; sources are trusted to index rows of `x`.
+    unsafe {
+        gather_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static((cols as u32).div_ceil(UNITS), source.len() as u32, 1),
+            CubeDim::new_1d(UNITS),
+            x.arg(),
+            source.arg(),
+            out.arg(),
+            cols as u32,
+        )
+    }
+    Ok(())
+}
