@@ -14,9 +14,13 @@
 //! whole tile (prefill/extend over a cached prefix). Both use an online softmax over chunks
 //! of [`CHUNK`] positions. The KV storage format (bf16, or FlashMLA's fp8 layout) is a
 //! compile-time parameter. Math oracle: `kiln_reference::mla::mla_attention`.
+//! [`write_kv`] appends new tokens' rows to the cache in either format.
+mod cache_write;
 mod kernel;
 
 use cubecl::prelude::*;
+
+pub use cache_write::write_kv;
 
 use crate::buffer::check_len;
 use crate::{DeviceArray, KernelError};

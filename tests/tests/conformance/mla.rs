@@ -3,8 +3,11 @@
 //! kv_len not a multiple of the page or chunk), both KV formats and both tilings.
 use cubecl::prelude::*;
 use kiln_conformance::mla::{run_mla, AttnMode, MlaCase};
-use kiln_kernels::mla::{mla_decode, mla_prefill, AttnMetadata, KvFormat, PagedKvCache};
+use kiln_kernels::mla::{mla_decode, mla_prefill, write_kv, AttnMetadata, KvFormat, PagedKvCache};
 use kiln_kernels::{DeviceArray, KernelError};
+use kiln_reference::data::{normal_with_outliers, Rng};
+use kiln_reference::formats::bf16_encode;
+use kiln_reference::mla::fp8_row_decode;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -131,7 +134,90 @@ fn bad_metadata_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
     ));
 }
 
+/// New rows land in exactly their slots: bf16 bit-exact, fp8 within half an E4M3 step of
+/// the value (relative 2^-4, or 2^-10 of the tile scale in the subnormal range) and its
+/// rope part bit-exact bf16; every other row keeps its contents.
+fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
+    let mut runner = TestRunner::new(Config {
+        cases: 16,
+        ..Config::default()
+    });
+    let strategy = (1usize..=9, 1usize..=5, formats(), any::<u64>());
+    runner
+        .run(&strategy, |(tokens, spare, format, seed)| {
+            let mut rng = Rng::new(seed);
+            let rows = tokens + spare;
+            let words = format.words_per_row();
+            let mut order: Vec<u32> = (0..rows as u32).collect();
+            for i in (1..order.len()).rev() {
+                order.swap(i, rng.below(i + 1));
+            }
+            let slots = &order[..tokens];
+            let mut kv = normal_with_outliers(&mut rng, tokens * 576, 1.0);
+            kv[..64].iter_mut().for_each(|v| *v *= 1e-4); // a tile deep in the subnormal range
+            let sentinel = 0xdead_beefu32;
+            let cache = PagedKvCache {
+                data: DeviceArray::filled(client, rows * words, sentinel),
+                format,
+                page_size: 1,
+                num_pages: rows,
+            };
+            write_kv(
+                client,
+                &DeviceArray::upload(client, &kv),
+                &DeviceArray::upload(client, slots),
+                &cache,
+            )
+            .unwrap();
+            let data = cache.data.read(client);
+            for (t, &slot) in slots.iter().enumerate() {
+                let row = &data[slot as usize * words..(slot as usize + 1) * words];
+                let x = &kv[t * 576..(t + 1) * 576];
+                match format {
+                    KvFormat::Bf16 => {
+                        for (i, &w) in row.iter().enumerate() {
+                            let want = bf16_encode(x[2 * i]) as u32
+                                | (bf16_encode(x[2 * i + 1]) as u32) << 16;
+                            prop_assert_eq!(w, want, "token {} word {}", t, i);
+                        }
+                    }
+                    KvFormat::Fp8 => {
+                        let bytes: Vec<u8> = row.iter().flat_map(|w| w.to_le_bytes()).collect();
+                        let decoded = fp8_row_decode(&bytes);
+                        for d in 0..512 {
+                            let scale = f32::from_le_bytes(
+                                bytes[512 + 4 * (d / 128)..516 + 4 * (d / 128)]
+                                    .try_into()
+                                    .unwrap(),
+                            );
+                            let bound = (x[d].abs() / 16.0).max(scale / 1024.0) * 1.0001;
+                            prop_assert!(
+                                (decoded[d] - x[d]).abs() <= bound,
+                                "token {t} dim {d}: {} vs {}",
+                                decoded[d],
+                                x[d]
+                            );
+                        }
+                        for d in 512..576 {
+                            prop_assert_eq!(bf16_encode(decoded[d]), bf16_encode(x[d]));
+                        }
+                    }
+                }
+            }
+            for &slot in &order[tokens..] {
+                let row = &data[slot as usize * words..(slot as usize + 1) * words];
+                prop_assert!(
+                    row.iter().all(|&w| w == sentinel),
+                    "row {slot} was overwritten"
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
 kiln_backends::backend_tests! {
+    cache_writes,
     decode,
     prefill,
     kimi_shapes,
