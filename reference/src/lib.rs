@@ -9,6 +9,7 @@
 //! tolerance helper. The crate has no runtime dependencies and no global state;
 //! speed is not a goal, clarity is.
 
+pub mod absorb;
 pub mod activation;
 pub mod data;
 pub mod formats;

@@ -14,12 +14,15 @@
 //! whole tile (prefill/extend over a cached prefix). Both use an online softmax over chunks
 //! of [`CHUNK`] positions. The KV storage format (bf16, or FlashMLA's fp8 layout) is a
 //! compile-time parameter. Math oracle: `kiln_reference::mla::mla_attention`.
-//! [`write_kv`] appends new tokens' rows to the cache in either format.
+//! [`write_kv`] appends new tokens' rows to the cache in either format; [`absorb_query`]
+//! and [`project_values`] are the per-head products around the attention.
+mod absorb;
 mod cache_write;
 mod kernel;
 
 use cubecl::prelude::*;
 
+pub use absorb::{absorb_query, project_values, KvBShape};
 pub use cache_write::write_kv;
 
 use crate::buffer::check_len;

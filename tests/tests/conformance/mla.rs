@@ -3,11 +3,17 @@
 //! kv_len not a multiple of the page or chunk), both KV formats and both tilings.
 use cubecl::prelude::*;
 use kiln_conformance::mla::{run_mla, AttnMode, MlaCase};
-use kiln_kernels::mla::{mla_decode, mla_prefill, write_kv, AttnMetadata, KvFormat, PagedKvCache};
+use kiln_kernels::mla::{
+    absorb_query, mla_decode, mla_prefill, project_values, write_kv, AttnMetadata, KvBShape,
+    KvFormat, PagedKvCache,
+};
 use kiln_kernels::{DeviceArray, KernelError};
+use kiln_reference::absorb::{self, KvB};
 use kiln_reference::data::{normal_with_outliers, Rng};
 use kiln_reference::formats::bf16_encode;
+use kiln_reference::formats::{bf16_round, pack_u16_words};
 use kiln_reference::mla::fp8_row_decode;
+use kiln_reference::tolerance::{compare, DType, Tolerance};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -216,7 +222,74 @@ fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
         .unwrap();
 }
 
+/// Absorbed queries and value projections against the reference, Kimi's nope/v = 128 and
+/// odd small splits.
+fn absorption<R: Runtime>(client: &ComputeClient<R>) {
+    let mut runner = TestRunner::new(Config {
+        cases: 12,
+        ..Config::default()
+    });
+    let strategy = (
+        1usize..=3,
+        1usize..=4,
+        prop::sample::select(vec![(128usize, 128usize), (7, 5), (16, 3)]),
+        any::<u64>(),
+    );
+    runner
+        .run(&strategy, |(tokens, heads, (nope, v), seed)| {
+            let mut rng = Rng::new(seed);
+            let w: Vec<f32> = normal_with_outliers(&mut rng, heads * (nope + v) * 512, 0.05)
+                .iter()
+                .map(|&x| bf16_round(x))
+                .collect();
+            let bits: Vec<u16> = w.iter().map(|&x| bf16_encode(x)).collect();
+            let kv_b = DeviceArray::upload(client, &pack_u16_words(&bits));
+            let shape = KvBShape { heads, nope, v };
+            let kvb = KvB {
+                weight: &w,
+                heads,
+                nope,
+                v,
+                kv_lora: 512,
+            };
+            let tol_q = Tolerance::dot(nope, DType::F32, DType::F32);
+            let q = normal_with_outliers(&mut rng, tokens * heads * (nope + 64), 1.0);
+            let out = DeviceArray::filled(client, tokens * heads * 576, f32::NAN);
+            absorb_query(
+                client,
+                &DeviceArray::upload(client, &q),
+                tokens,
+                &kv_b,
+                shape,
+                &out,
+            )
+            .unwrap();
+            let (want, mag) = absorb::absorb_query(&q, &kvb, 64);
+            let cmp = compare(&out.read(client), &want, &tol_q.allowed_all(&want, &mag));
+            prop_assert!(cmp.passed(), "absorb_query: {cmp}");
+
+            let latent = normal_with_outliers(&mut rng, tokens * heads * 512, 1.0);
+            let values = DeviceArray::filled(client, tokens * heads * v, f32::NAN);
+            project_values(
+                client,
+                &DeviceArray::upload(client, &latent),
+                tokens,
+                &kv_b,
+                shape,
+                &values,
+            )
+            .unwrap();
+            let (want, mag) = absorb::project_values(&latent, &kvb);
+            let tol_v = Tolerance::dot(512, DType::F32, DType::F32);
+            let cmp = compare(&values.read(client), &want, &tol_v.allowed_all(&want, &mag));
+            prop_assert!(cmp.passed(), "project_values: {cmp}");
+            Ok(())
+        })
+        .unwrap();
+}
+
 kiln_backends::backend_tests! {
+    absorption,
     cache_writes,
     decode,
     prefill,

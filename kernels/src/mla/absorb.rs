@@ -1,0 +1,153 @@
+//! MLA weight absorption on the device (oracle: `kiln_reference::absorb`):
+//! - [`absorb_query`]: `[tokens, heads, nope + rope]` queries -> `[tokens, heads, 576]`
+//!   absorbed queries (`q_nope W_UK_h` then the roped `q_pe`), ready for [`super::mla_decode`];
+//! - [`project_values`]: the attention's `[tokens, heads, 512]` latent output ->
+//!   `[tokens, heads, v]` values (`W_UV_h`), the input of `o_proj`.
+//! `kv_b_proj.weight` stays in bf16 as loaded (`[heads * (nope + v), 512]`, two values per
+//! word). One unit per output element: the correct-first form.
+use cubecl::prelude::*;
+
+use super::{KV_DIM, V_DIM};
+use crate::buffer::check_len;
+use crate::formats::{bf16_to_f32, half_at};
+use crate::{DeviceArray, KernelError};
+
+const UNITS: u32 = 64;
+
+/// Head split of `kv_b_proj` (`nope` key rows then `v` value rows per head).
+#[derive(Clone, Copy, Debug)]
+pub struct KvBShape {
+    pub heads: usize,
+    pub nope: usize,
+    pub v: usize,
+}
+
+#[cube(launch_unchecked)]
+fn absorb_query_kernel(
+    q: &Array<f32>,
+    kv_b: &Array<u32>,
+    out: &mut Array<f32>,
+    nope: u32,
+    v: u32,
+    heads: u32,
+) {
+    let th = CUBE_POS_Y as usize; // token * heads + head
+    let c = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let h = th % heads as usize;
+    let width = nope as usize + 64;
+    if c < 512 {
+        let mut acc = 0.0f32;
+        for d in 0..nope as usize {
+            let w = bf16_to_f32(half_at(kv_b, (h * (nope + v) as usize + d) * 512 + c));
+            acc += q[th * width + d] * w;
+        }
+        out[th * 576 + c] = acc;
+    } else if c < 576 {
+        out[th * 576 + c] = q[th * width + nope as usize + c - 512];
+    }
+}
+
+#[cube(launch_unchecked)]
+fn project_values_kernel(
+    latent: &Array<f32>,
+    kv_b: &Array<u32>,
+    out: &mut Array<f32>,
+    nope: u32,
+    v: u32,
+    heads: u32,
+) {
+    let th = CUBE_POS_Y as usize;
+    let j = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let h = th % heads as usize;
+    if j < v as usize {
+        let w_row = (h * (nope + v) as usize + nope as usize + j) * 512;
+        let mut acc = 0.0f32;
+        for c in 0..512usize {
+            acc += latent[th * 512 + c] * bf16_to_f32(half_at(kv_b, w_row + c));
+        }
+        out[th * v as usize + j] = acc;
+    }
+}
+
+fn validate<R: Runtime>(
+    client: &ComputeClient<R>,
+    rows: usize,
+    kv_b: &DeviceArray<u32>,
+    s: KvBShape,
+) -> Result<(), KernelError> {
+    check_len(
+        "kv_b_proj (u32 words)",
+        kv_b,
+        s.heads * (s.nope + s.v) * V_DIM / 2,
+    )?;
+    let max = client.properties().hardware.max_cube_count.1 as usize;
+    if rows == 0 || rows > max {
+        return Err(KernelError::Range {
+            what: "tokens x heads",
+            value: rows,
+            min: 1,
+            max,
+        });
+    }
+    Ok(())
+}
+
+/// `q` `[tokens, heads, nope + 64]` -> `out` `[tokens, heads, 576]`.
+pub fn absorb_query<R: Runtime>(
+    client: &ComputeClient<R>,
+    q: &DeviceArray<f32>,
+    tokens: usize,
+    kv_b: &DeviceArray<u32>,
+    shape: KvBShape,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    let rows = tokens * shape.heads;
+    validate(client, rows, kv_b, shape)?;
+    check_len("queries", q, rows * (shape.nope + KV_DIM - V_DIM))?;
+    check_len("absorbed queries", out, rows * KV_DIM)?;
+    // SAFETY: shapes validated above.
+    unsafe {
+        absorb_query_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static((KV_DIM as u32).div_ceil(UNITS), rows as u32, 1),
+            CubeDim::new_1d(UNITS),
+            q.arg(),
+            kv_b.arg(),
+            out.arg(),
+            shape.nope as u32,
+            shape.v as u32,
+            shape.heads as u32,
+        )
+    }
+    Ok(())
+}
+
+/// `latent` `[tokens, heads, 512]` -> `out` `[tokens, heads, v]`.
+pub fn project_values<R: Runtime>(
+    client: &ComputeClient<R>,
+    latent: &DeviceArray<f32>,
+    tokens: usize,
+    kv_b: &DeviceArray<u32>,
+    shape: KvBShape,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    let rows = tokens * shape.heads;
+    validate(client, rows, kv_b, shape)?;
+    check_len("attention output", latent, rows * V_DIM)?;
+    check_len("values", out, rows * shape.v)?;
+    // SAFETY: shapes validated above.
+    unsafe {
+        project_values_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static((shape.v as u32).div_ceil(UNITS), rows as u32, 1),
+            CubeDim::new_1d(UNITS),
+            latent.arg(),
+            kv_b.arg(),
+            out.arg(),
+            shape.nope as u32,
+            shape.v as u32,
+            shape.heads as u32,
+        )
+    }
+    Ok(())
+}
