@@ -6,7 +6,8 @@
 //! `Tolerance::dot(K, f32, f32)` against `sum |a w|`.
 use cubecl::prelude::*;
 use kiln_kernels::gemm::{
-    bf16_gemm, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, Nvfp4Weights, WeightFormat,
+    bf16_gemm, bf16_grouped_gemm, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, Nvfp4Weights,
+    WeightFormat,
 };
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};
@@ -19,7 +20,7 @@ use crate::report::time_launch;
 use crate::{Activation, CaseReport};
 
 /// One GEMM problem. `rows_per_expert = None` is a dense GEMM with `m` rows; otherwise the
-/// grouped GEMM (NVFP4 only) with `rows_per_expert[e]` rows for expert `e` (zeros allowed),
+/// grouped GEMM with `rows_per_expert[e]` rows for expert `e` (zeros allowed),
 /// `m` their sum.
 #[derive(Clone, Debug)]
 pub struct GemmCase {
@@ -140,6 +141,7 @@ pub fn run_gemm<R: Runtime, F: Activation>(
                 exact,
                 Weights::Bf16(Bf16Weights {
                     data,
+                    experts,
                     n: case.n,
                     k: case.k,
                 }),
@@ -161,7 +163,8 @@ pub fn run_gemm<R: Runtime, F: Activation>(
         DeviceArray::upload(client, &words)
     });
     let launch = || match (&weights, &offsets_dev) {
-        (Weights::Bf16(w), _) => bf16_gemm(client, &a_dev, case.m, w, &out),
+        (Weights::Bf16(w), None) => bf16_gemm(client, &a_dev, case.m, w, &out),
+        (Weights::Bf16(w), Some(off)) => bf16_grouped_gemm(client, &a_dev, case.m, w, off, &out),
         (Weights::Nvfp4(w), None) => nvfp4_gemm(client, &a_dev, case.m, w, &out),
         (Weights::Nvfp4(w), Some(off)) => nvfp4_grouped_gemm(client, &a_dev, case.m, w, off, &out),
     };
@@ -180,7 +183,8 @@ pub fn run_gemm<R: Runtime, F: Activation>(
     let tol = Tolerance::dot(case.k, DType::F32, DType::F32);
     let cmp = compare(&actual, &expected, &tol.allowed_all(&expected, &magnitude));
     let kernel = match (case.format, case.rows_per_expert.is_some()) {
-        (WeightFormat::Bf16, _) => "bf16_gemm",
+        (WeightFormat::Bf16, false) => "bf16_gemm",
+        (WeightFormat::Bf16, true) => "bf16_grouped_gemm",
         (WeightFormat::Nvfp4, false) => "nvfp4_gemm",
         (WeightFormat::Nvfp4, true) => "nvfp4_grouped_gemm",
     };

@@ -46,9 +46,11 @@ pub struct Nvfp4Weights {
     pub k: usize,
 }
 
-/// A bf16 matrix `[n, k]` on the device, two values per word (element `2i` in the low half).
+/// `experts` bf16 matrices `[n, k]` on the device, two values per word (element `2i` in the
+/// low half), expert after expert (`experts = 1` for a dense layer).
 pub struct Bf16Weights {
     pub data: DeviceArray<u32>,
+    pub experts: usize,
     pub n: usize,
     pub k: usize,
 }
@@ -102,7 +104,14 @@ impl Bf16Weights {
         if self.n == 0 {
             return Err(range_error("N", 0));
         }
-        check_len("bf16 weights (u32 words)", &self.data, self.n * self.k / 2)
+        if self.experts == 0 {
+            return Err(range_error("experts", 0));
+        }
+        check_len(
+            "bf16 weights (u32 words)",
+            &self.data,
+            self.experts * self.n * self.k / 2,
+        )
     }
 }
 
@@ -154,9 +163,33 @@ pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
     w: &Bf16Weights,
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
+    if w.experts != 1 {
+        return Err(KernelError::Range {
+            what: "experts (dense GEMM)",
+            value: w.experts,
+            min: 1,
+            max: 1,
+        });
+    }
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
-    launch_bf16_unchecked(client, a, m, w, out);
+    launch_bf16_unchecked(client, a, m, w, None, out);
+    Ok(())
+}
+
+/// Grouped (MoE) GEMM over bf16 experts; offsets as in [`nvfp4_grouped_gemm`].
+pub fn bf16_grouped_gemm<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: &Bf16Weights,
+    expert_offsets: &DeviceArray<u32>,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    w.validate()?;
+    validate(client, a, m, w.n, w.k, out)?;
+    check_len("expert offsets", expert_offsets, w.experts + 1)?;
+    launch_bf16_unchecked(client, a, m, w, Some(expert_offsets), out);
     Ok(())
 }
 
@@ -223,15 +256,19 @@ pub fn launch_nvfp4_unchecked<R: Runtime, F: Float + CubeElement>(
     }
 }
 
-/// Launches the bf16 GEMM without validation: trusts the buffers to match `w` and `m`.
+/// Launches the bf16 GEMM without validation (grouped when `expert_offsets` is given):
+/// trusts the buffers to match `w` and `m` and the offsets to be well formed.
 pub fn launch_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     a: &DeviceArray<F>,
     m: usize,
     w: &Bf16Weights,
+    expert_offsets: Option<&DeviceArray<u32>>,
     out: &DeviceArray<f32>,
 ) {
-    // SAFETY: as above; the scale and offset slots are bound to the weights and never read.
+    let offsets = expert_offsets.unwrap_or(&w.data);
+    // SAFETY: as above; the scale slots (and a dense launch's offsets slot) are bound to the
+    // weights and never read.
     unsafe {
         kernel::gemm_kernel::launch_unchecked::<F, R>(
             client,
@@ -241,12 +278,12 @@ pub fn launch_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
             w.data.arg(),
             w.data.arg(),
             w.data.arg(),
-            w.data.arg(),
+            offsets.arg(),
             out.arg(),
             w.n as u32,
             w.k as u32,
-            1,
-            false,
+            w.experts as u32,
+            expert_offsets.is_some(),
             WeightFormat::Bf16,
         )
     }

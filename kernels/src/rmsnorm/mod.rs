@@ -1,6 +1,9 @@
 //! RMSNorm over rows, optionally fused with the residual add that precedes it:
 //! `y = x / sqrt(mean(x^2) + eps) * weight`; the fused form first does `residual += delta`
 //! and normalises the updated residual, saving one pass over the hidden state per norm.
+//! [`rmsnorm_prefix`] normalises only the first `weight.len()` columns of wider rows and
+//! copies the rest (MLA's compressed KV row: the 512 latent values are normalised, the 64
+//! rope values are not).
 //! Oracle: `kiln_reference::norm::rmsnorm`. One cube per row, a shared-memory reduction of
 //! the sum of squares (no subgroup operations, so it runs on llvmpipe too).
 use cubecl::prelude::*;
@@ -17,13 +20,14 @@ fn rmsnorm_kernel(
     weight: &Array<f32>,
     out: &mut Array<f32>,
     cols: u32,
+    stride: u32,
     eps: f32,
     #[comptime] fused_add: bool,
 ) {
     let row = CUBE_POS_X as usize;
     let unit = UNIT_POS_X as usize;
     let n = cols as usize;
-    let base = row * n;
+    let base = row * stride as usize;
     let mut partials = SharedMemory::<f32>::new(UNITS as usize);
     let mut sum = 0.0f32;
     for c in range_stepped(unit, n, UNITS as usize) {
@@ -48,25 +52,29 @@ fn rmsnorm_kernel(
     for c in range_stepped(unit, n, UNITS as usize) {
         out[base + c] = residual[base + c] * inv * weight[c];
     }
+    for c in range_stepped(n + unit, stride as usize, UNITS as usize) {
+        out[base + c] = residual[base + c];
+    }
 }
 
 fn validate(
     x: &DeviceArray<f32>,
     rows: usize,
+    stride: usize,
     weight: &DeviceArray<f32>,
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
     let cols = weight.len();
-    if rows == 0 || cols == 0 {
+    if rows == 0 || cols == 0 || stride < cols {
         return Err(KernelError::Range {
-            what: "rows and columns",
-            value: 0,
+            what: "rows, and columns within the row stride",
+            value: cols,
             min: 1,
-            max: u32::MAX as usize,
+            max: stride,
         });
     }
-    check_len("input rows", x, rows * cols)?;
-    check_len("output rows", out, rows * cols)
+    check_len("input rows", x, rows * stride)?;
+    check_len("output rows", out, rows * stride)
 }
 
 /// `out = rmsnorm(x) * weight` for `rows` rows of `weight.len()` columns.
@@ -78,10 +86,24 @@ pub fn rmsnorm<R: Runtime>(
     eps: f32,
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
-    validate(x, rows, weight, out)?;
+    rmsnorm_prefix(client, x, rows, weight.len(), weight, eps, out)
+}
+
+/// RMSNorm of the first `weight.len()` columns of rows `stride` wide; the remaining
+/// columns are copied to `out` unchanged.
+pub fn rmsnorm_prefix<R: Runtime>(
+    client: &ComputeClient<R>,
+    x: &DeviceArray<f32>,
+    rows: usize,
+    stride: usize,
+    weight: &DeviceArray<f32>,
+    eps: f32,
+    out: &DeviceArray<f32>,
+) -> Result<(), KernelError> {
+    validate(x, rows, stride, weight, out)?;
     // SAFETY: validated; without the fused add the delta slot is never read (bound to the
     // weights, since one buffer may not be bound writable and read-only at once).
-    unsafe { launch(client, x, weight, rows, weight, eps, out, false) };
+    unsafe { launch(client, x, weight, rows, stride, weight, eps, out, false) };
     Ok(())
 }
 
@@ -95,21 +117,34 @@ pub fn add_rmsnorm<R: Runtime>(
     eps: f32,
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
-    validate(residual, rows, weight, out)?;
+    validate(residual, rows, weight.len(), weight, out)?;
     check_len("delta rows", delta, rows * weight.len())?;
     // SAFETY: validated above.
-    unsafe { launch(client, residual, delta, rows, weight, eps, out, true) };
+    unsafe {
+        launch(
+            client,
+            residual,
+            delta,
+            rows,
+            weight.len(),
+            weight,
+            eps,
+            out,
+            true,
+        )
+    };
     Ok(())
 }
 
 /// # Safety
-/// Buffers must hold `rows * weight.len()` elements.
+/// Buffers must hold `rows * stride` elements, `stride >= weight.len()`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn launch<R: Runtime>(
     client: &ComputeClient<R>,
     residual: &DeviceArray<f32>,
     delta: &DeviceArray<f32>,
     rows: usize,
+    stride: usize,
     weight: &DeviceArray<f32>,
     eps: f32,
     out: &DeviceArray<f32>,
@@ -125,6 +160,7 @@ unsafe fn launch<R: Runtime>(
             weight.arg(),
             out.arg(),
             weight.len() as u32,
+            stride as u32,
             eps,
             fused_add,
         )

@@ -5,7 +5,9 @@ use cubecl::prelude::*;
 use half::bf16;
 use kiln_conformance::gemm::{run_gemm, upload_weights, GemmCase};
 use kiln_conformance::Activation;
-use kiln_kernels::gemm::{bf16_gemm, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, Nvfp4Weights};
+use kiln_kernels::gemm::{
+    bf16_gemm, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, Nvfp4Weights, WeightFormat,
+};
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::nvfp4::Nvfp4Matrix;
 use proptest::prelude::*;
@@ -54,11 +56,17 @@ fn grouped<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
     run_cases::<R, F>(client, grouped_cases());
 }
 
-/// bf16 weights: K only needs to be even, so odd multiples of 2 are covered.
+/// bf16 weights, dense and grouped: K only needs to be even, so odd multiples of 2 are
+/// covered.
 fn bf16_weights<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
-    let cases = (1usize..=9, 1usize..=70, 1usize..=100, any::<u64>())
+    let dense = (1usize..=9, 1usize..=70, 1usize..=100, any::<u64>())
         .prop_map(|(m, n, half_k, seed)| GemmCase::bf16(m, n, 2 * half_k, seed));
-    run_cases::<R, F>(client, cases);
+    run_cases::<R, F>(client, dense);
+    let grouped = grouped_cases().prop_map(|c| GemmCase {
+        format: WeightFormat::Bf16,
+        ..c
+    });
+    run_cases::<R, F>(client, grouped);
 }
 
 /// Decode-sized shapes from Kimi-K2, pinned.
@@ -127,6 +135,7 @@ fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
     );
     // bf16 weights need an even K.
     let odd = Bf16Weights {
+        experts: 1,
         data: DeviceArray::upload(client, &[0u32; 6]),
         n: 4,
         k: 3,

@@ -4,7 +4,7 @@
 use cubecl::prelude::*;
 use kiln_kernels::activation::silu_mul;
 use kiln_kernels::embedding::embedding;
-use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm};
+use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm, rmsnorm_prefix};
 use kiln_kernels::rope::{rope_inplace, RopeLayout};
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::activation::silu_and_mul;
@@ -61,6 +61,46 @@ fn rmsnorm_rows<R: Runtime>(client: &ComputeClient<R>) {
             },
         )
         .unwrap();
+}
+
+/// MLA's compressed KV rows: the 512 latent values normalised, the 64 rope values copied.
+fn rmsnorm_prefix_of_kv_rows<R: Runtime>(client: &ComputeClient<R>) {
+    let (rows, stride, cols) = (3, 576, 512);
+    let mut rng = Rng::new(5);
+    let x = normal_with_outliers(&mut rng, rows * stride, 1.0);
+    let w = normal_with_outliers(&mut rng, cols, 1.0);
+    let out = DeviceArray::filled(client, rows * stride, f32::NAN);
+    rmsnorm_prefix(
+        client,
+        &DeviceArray::upload(client, &x),
+        rows,
+        stride,
+        &DeviceArray::upload(client, &w),
+        1e-6,
+        &out,
+    )
+    .unwrap();
+    let got = out.read(client);
+    let latent: Vec<f32> = x.chunks(stride).flat_map(|r| r[..cols].to_vec()).collect();
+    let expected = norm::rmsnorm(&latent, &w, 1e-6);
+    let magnitude: Vec<f64> = expected.iter().map(|e| e.abs()).collect();
+    let got_latent: Vec<f32> = got
+        .chunks(stride)
+        .flat_map(|r| r[..cols].to_vec())
+        .collect();
+    let tol = Tolerance::dot(cols + 4, DType::F32, DType::F32);
+    let cmp = compare(
+        &got_latent,
+        &expected,
+        &tol.allowed_all(&expected, &magnitude),
+    );
+    assert!(cmp.passed(), "{cmp}");
+    for r in 0..rows {
+        assert_eq!(
+            got[r * stride + cols..(r + 1) * stride],
+            x[r * stride + cols..(r + 1) * stride]
+        );
+    }
 }
 
 fn silu_and_mul_rows<R: Runtime>(client: &ComputeClient<R>) {
@@ -240,6 +280,7 @@ fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
 
 kiln_backends::backend_tests! {
     rmsnorm_rows,
+    rmsnorm_prefix_of_kv_rows,
     silu_and_mul_rows,
     embedding_rows,
     rope_rows,
