@@ -26,8 +26,11 @@ block scale `e4m3(clamp(block_amax / 6 / global, 2^-9, 448))`, code
 `e2m1(x / (scale * global))`, all in f32, round to nearest, ties to even.
 
 Weight scales: linear layers ~ N(0, 1/fan_in) so activations stay O(1); norms
-`1 + 0.1 N(0, 1)`; router biases `0.05 N(0, 1)` (large enough to change some
-selections, small next to the spread of the sigmoid scores). Logits come out O(1).
+`1 + 0.1 N(0, 1)`; router biases `0.05 N(0, 1)` (they change about a third of the
+selections); tied embeddings ~ N(0, 2.25/hidden). Logits come out O(1) (std 1-1.5).
+Tokens are random, each redrawn until every routing decision at its position is at
+least `ROUTING_MARGIN` (4e-3 in sigmoid-score units) away from a tie, so engines
+computing in bf16 route the golden sequences exactly as HF does.
 
 Run: `python3 tools/hf_golden.py --out tests/fixtures/hf [--device cpu|cuda]`. With
 `--check` it reloads each bf16 fixture through `from_pretrained` and checks the logits
@@ -52,6 +55,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
 SEQ_LENS = (1, 7, 33)
+# Smallest distance from a tie (in sigmoid-score units) of any routing decision on the
+# golden tokens: far above the error of an engine computing in bf16.
+ROUTING_MARGIN = 4e-3
 
 KIMI_ROPE = {
     "rope_type": "yarn",
@@ -321,29 +327,77 @@ def logits_of(model, tokens, device):
     return out.logits[0].to("cpu", torch.float32).contiguous()
 
 
-@torch.no_grad()
-def routing_stats(model, c, tokens, device):
-    """Over all (token, MoE layer) pairs: how many selections the bias changes (vs plain
-    sigmoid top-k) and how many the group limit changes (vs biased top-k over all)."""
+def router_outputs(model, c, tokens, device):
+    """[(router module, router logits [len, E], selected experts [len, k])] per MoE layer."""
     caught = []
     hooks = [
-        layer.mlp.gate.register_forward_hook(lambda m, i, o: caught.append((m, o)))
+        layer.mlp.gate.register_forward_hook(lambda m, i, o: caught.append((m, o[0], o[2])))
         for layer in model.model.layers[c.first_k_dense_replace :]
     ]
-    model(input_ids=tokens.unsqueeze(0).to(device), use_cache=False)
+    with torch.no_grad():
+        model(input_ids=tokens.unsqueeze(0).to(device), use_cache=False)
     for h in hooks:
         h.remove()
+    return caught
+
+
+def routing_margins(model, c, tokens, device):
+    """Per token, the smallest distance of a routing decision from a tie over all MoE
+    layers: last kept vs first dropped group score, k-th vs (k+1)-th choice among the
+    kept groups' experts (HF's f32 values)."""
+    k, g, tg = c.num_experts_per_tok, c.n_group, c.topk_group
+    margin = torch.full((len(tokens),), float("inf"))
+    for gate, logits, _ in router_outputs(model, c, tokens, device):
+        choice = (logits.sigmoid() + gate.e_score_correction_bias).cpu()
+        group_scores = choice.view(len(tokens), g, -1).topk(2, dim=-1)[0].sum(-1)
+        if tg < g:
+            ranked = group_scores.sort(-1, descending=True)[0]
+            margin = torch.minimum(margin, ranked[:, tg - 1] - ranked[:, tg])
+        kept = torch.zeros_like(group_scores).scatter(1, group_scores.topk(tg, dim=-1)[1], 1.0)
+        kept = kept.repeat_interleave(c.n_routed_experts // g, dim=1).bool()
+        ranked = choice.masked_fill(~kept, float("-inf")).sort(-1, descending=True)[0]
+        if kept.sum(-1).min() > k:
+            margin = torch.minimum(margin, ranked[:, k - 1] - ranked[:, k])
+    return margin
+
+
+def pick_tokens(model, c, n, gen, device):
+    """`n` random tokens, each redrawn until every routing decision at its position is
+    at least ROUTING_MARGIN from a tie (later tokens cannot change earlier positions),
+    so an engine computing in bf16 routes these sequences as HF does."""
+    tokens = []
+    for _ in range(100 * n):
+        if len(tokens) == n:
+            break
+        cand = torch.randint(0, c.vocab_size, (1,), generator=gen, dtype=torch.int64)
+        seq = torch.cat([torch.tensor(tokens, dtype=torch.int64), cand])
+        if routing_margins(model, c, seq, device)[-1] >= ROUTING_MARGIN:
+            tokens.append(int(cand))
+    assert len(tokens) == n, "could not find well-separated routing; lower ROUTING_MARGIN"
+    return torch.tensor(tokens, dtype=torch.int64)
+
+
+def routing_stats(model, c, goldens, device):
+    """How many selections the bias changes (vs plain sigmoid top-k), how many the group
+    limit changes (vs biased top-k over all experts), and the smallest margin."""
     by_bias = by_group = total = 0
+    margin = float("inf")
     k = c.num_experts_per_tok
-    for gate, (logits, _, idx) in caught:
-        scores = logits.sigmoid()
-        plain = torch.topk(scores, k, dim=-1)[1].sort(-1)[0]
-        biased = torch.topk(scores + gate.e_score_correction_bias, k, dim=-1)[1].sort(-1)[0]
-        chosen = idx.sort(-1)[0]
-        by_bias += int((plain != chosen).any(-1).sum())
-        by_group += int((biased != chosen).any(-1).sum())
-        total += chosen.shape[0]
-    return f"bias changed {by_bias}/{total} selections, group limit {by_group}/{total}"
+    for s in range(len(SEQ_LENS)):
+        tokens = goldens[f"tokens_{s}"]
+        for gate, logits, idx in router_outputs(model, c, tokens, device):
+            scores = logits.sigmoid()
+            plain = torch.topk(scores, k, dim=-1)[1].sort(-1)[0]
+            biased = torch.topk(scores + gate.e_score_correction_bias, k, dim=-1)[1].sort(-1)[0]
+            chosen = idx.sort(-1)[0]
+            by_bias += int((plain != chosen).any(-1).sum())
+            by_group += int((biased != chosen).any(-1).sum())
+            total += len(tokens)
+        margin = min(margin, routing_margins(model, c, tokens, device).min().item())
+    return (
+        f"bias changed {by_bias}/{total} selections, group limit {by_group}/{total}, "
+        f"smallest routing margin {margin:.2e}"
+    )
 
 
 def save_fixture(dirname, c, stored, goldens, quantized):
@@ -412,11 +466,11 @@ def generate(name, fields, seed, quantized, args):
     gen = torch.Generator().manual_seed(seed + 7)
     goldens, worst = {}, 0.0
     for s, n in enumerate(SEQ_LENS):
-        tokens = torch.randint(0, c.vocab_size, (n,), generator=gen, dtype=torch.int64)
+        tokens = pick_tokens(model, c, n, gen, args.device)
         goldens[f"tokens_{s}"] = tokens
         goldens[f"logits_{s}"] = logits_of(model, tokens, args.device)
         worst = max(worst, goldens[f"logits_{s}"].abs().max().item())
-    routing = routing_stats(model, c, goldens[f"tokens_{len(SEQ_LENS) - 1}"], args.device)
+    routing = routing_stats(model, c, goldens, args.device)
     dirname = os.path.join(args.out, name)
     save_fixture(dirname, c, stored, goldens, quantized)
     if quantized:

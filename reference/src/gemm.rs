@@ -11,7 +11,7 @@
 //! `offsets[e]..offsets[e + 1]` of A multiply expert `e`'s weight.
 
 /// Checks the operand sizes of an NT product; panics with the mismatch.
-fn check_nt(a: &[f32], w: &[f32], m: usize, n: usize, k: usize) {
+fn check_nt<A>(a: &[A], w: &[f32], m: usize, n: usize, k: usize) {
     assert_eq!(
         a.len(),
         m * k,
@@ -33,14 +33,22 @@ pub fn gemm_nt(a: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
     nt_map(a, w, m, n, k, |x, y| x * y)
 }
 
+/// [`gemm_nt`] with f64 activations: `C[m, n] = sum_k a[m, k] * w[n, k]`, `a: [m, k]`
+/// in f64 (e.g. a model's hidden states, kept in f64 between layers), `w: [n, k]`.
+///
+/// Panics if the slice lengths do not match the shape.
+pub fn gemm_nt_f64(a: &[f64], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
+    nt_map(a, w, m, n, k, |x, y| x * y)
+}
+
 /// `sum_k |a[m, k]| * |w[n, k]|` in f64, the scale of `gemm_nt`'s rounding error.
 pub fn gemm_nt_magnitude(a: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
     nt_map(a, w, m, n, k, |x, y| (x * y).abs())
 }
 
 /// Shared loop: `C[i, j] = sum_k term(a[i, k], w[j, k])` in f64.
-fn nt_map(
-    a: &[f32],
+fn nt_map<A: Copy + Into<f64>>(
+    a: &[A],
     w: &[f32],
     m: usize,
     n: usize,
@@ -56,7 +64,7 @@ fn nt_map(
             c[i * n + j] = row
                 .iter()
                 .zip(col)
-                .map(|(&x, &y)| term(x as f64, y as f64))
+                .map(|(&x, &y)| term(x.into(), y as f64))
                 .sum();
         }
     }

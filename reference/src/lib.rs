@@ -15,6 +15,7 @@ pub mod data;
 pub mod formats;
 pub mod gemm;
 pub mod mla;
+pub mod model;
 pub mod moe_gate;
 pub mod norm;
 pub mod nvfp4;

@@ -12,13 +12,15 @@
 //! Invariants: experts are listed per token in selection order (descending choice,
 //! ties to the lowest index), groups are ranked the same way, and no expert repeats.
 //!
-//! Follows HF transformers' `DeepseekV3TopkRouter` / `DeepseekV3MoE.route_tokens_to_experts`
-//! and DeepSeek-V3's `inference/model.py` `Gate`, with one documented choice: masked
-//! experts get `-inf` (as the original code and SGLang do) where HF fills `0.0`. They
-//! differ only when fewer than `num_experts_per_tok` experts of the kept groups have a
-//! positive choice (possible only with negative biases); HF could then select an
-//! expert from a dropped group. The peers compute in f32, so selections may differ
-//! where two choices are within f32 rounding: see [`selection_margins`].
+//! Follows HF transformers' `DeepseekV3TopkRouter` and DeepSeek-V3's
+//! `inference/model.py` `Gate`. Masked experts get `-inf`, as in the original code,
+//! SGLang and transformers 5.x (checked in the 5.17 and 5.24 sources:
+//! `masked_fill(~score_mask, -inf)`); some transformers 4.x releases filled `0.0`
+//! instead, which differs only when fewer than `num_experts_per_tok` experts of the
+//! kept groups have a positive choice (possible only with negative biases): such a
+//! router could select an expert from a dropped group. The peers compute in f32, so
+//! selections may differ where two choices are within f32 rounding: see
+//! [`selection_margins`].
 
 /// Router hyper-parameters, named as in the HF config.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -111,8 +113,8 @@ struct TokenChoice {
     group_scores: Vec<f64>,
 }
 
-fn token_choice(logits: &[f32], bias: &[f32], cfg: &GateConfig) -> TokenChoice {
-    let scores: Vec<f64> = logits.iter().map(|&l| sigmoid(l as f64)).collect();
+fn token_choice<T: Copy + Into<f64>>(logits: &[T], bias: &[f32], cfg: &GateConfig) -> TokenChoice {
+    let scores: Vec<f64> = logits.iter().map(|&l| sigmoid(l.into())).collect();
     let choice: Vec<f64> = scores
         .iter()
         .zip(bias)
@@ -143,6 +145,15 @@ fn token_choice(logits: &[f32], bias: &[f32], cfg: &GateConfig) -> TokenChoice {
 ///
 /// Panics if the config is inconsistent or the slice lengths do not match it.
 pub fn route(logits: &[f32], bias: &[f32], cfg: &GateConfig) -> Routing {
+    route_rows(logits, bias, cfg)
+}
+
+/// [`route`] for f64 router logits (a model's router, computed in f64).
+pub fn route_f64(logits: &[f64], bias: &[f32], cfg: &GateConfig) -> Routing {
+    route_rows(logits, bias, cfg)
+}
+
+fn route_rows<T: Copy + Into<f64>>(logits: &[T], bias: &[f32], cfg: &GateConfig) -> Routing {
     cfg.check();
     let e = cfg.n_routed_experts;
     assert_eq!(
@@ -240,6 +251,19 @@ mod tests {
         assert_eq!(r.experts, vec![4, 5, 7]);
         let margins = selection_margins(&logits, &[0.0; 8], &tiny(4, 2, 3));
         assert!(margins[0] > 0.0 && margins[0].is_finite());
+    }
+
+    #[test]
+    fn dropped_groups_lose_even_to_negative_choices() {
+        // HF 5.x masks dropped groups to -inf: with kept-group choices pushed below
+        // zero by the bias, top-k still stays inside the kept groups {2, 3} and {4, 5}
+        // (a 0.0 fill would pick experts of the dropped groups {0, 1} and {6, 7}).
+        let logits = [0.0f32, 0.0, 3.0, 3.0, -8.0, -8.0, -8.0, -8.0];
+        let bias = [-0.6f32, -0.6, -1.0, -1.0, -0.1, -0.1, -0.1, -0.1];
+        let cfg = tiny(4, 2, 3);
+        let r = route(&logits, &bias, &cfg);
+        assert_eq!(r.experts, vec![2, 3, 4]);
+        assert_eq!(route_f64(&logits.map(f64::from), &bias, &cfg), r);
     }
 
     #[test]

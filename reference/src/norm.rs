@@ -9,6 +9,17 @@
 ///
 /// Panics if `weight` is empty or `x.len()` is not a multiple of `weight.len()`.
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f64> {
+    rmsnorm_rows(x, weight, eps as f64)
+}
+
+/// [`rmsnorm`] of f64 rows (a model's hidden states, kept in f64), with an f64 `eps`.
+///
+/// Panics if `weight` is empty or `x.len()` is not a multiple of `weight.len()`.
+pub fn rmsnorm_f64(x: &[f64], weight: &[f32], eps: f64) -> Vec<f64> {
+    rmsnorm_rows(x, weight, eps)
+}
+
+fn rmsnorm_rows<T: Copy + Into<f64>>(x: &[T], weight: &[f32], eps: f64) -> Vec<f64> {
     let dim = weight.len();
     assert!(dim > 0, "weight is empty");
     assert_eq!(
@@ -19,11 +30,11 @@ pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f64> {
     );
     x.chunks(dim)
         .flat_map(|row| {
-            let mean_sq = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / dim as f64;
-            let inv_rms = 1.0 / (mean_sq + eps as f64).sqrt();
+            let mean_sq = row.iter().map(|&v| v.into().powi(2)).sum::<f64>() / dim as f64;
+            let inv_rms = 1.0 / (mean_sq + eps).sqrt();
             row.iter()
                 .zip(weight)
-                .map(move |(&v, &w)| v as f64 * inv_rms * w as f64)
+                .map(move |(&v, &w)| v.into() * inv_rms * w as f64)
         })
         .collect()
 }

@@ -140,6 +140,25 @@ pub fn apply_interleaved(
     rope_dim: usize,
     cfg: &YarnConfig,
 ) -> Vec<f64> {
+    rotate_rows(x, positions, rope_dim, cfg)
+}
+
+/// [`apply_interleaved`] of f64 values (a model's activations, kept in f64).
+pub fn apply_interleaved_f64(
+    x: &[f64],
+    positions: &[usize],
+    rope_dim: usize,
+    cfg: &YarnConfig,
+) -> Vec<f64> {
+    rotate_rows(x, positions, rope_dim, cfg)
+}
+
+fn rotate_rows<T: Copy + Into<f64>>(
+    x: &[T],
+    positions: &[usize],
+    rope_dim: usize,
+    cfg: &YarnConfig,
+) -> Vec<f64> {
     let freqs = inv_freq(rope_dim, cfg);
     let scale = cos_sin_scale(cfg);
     assert_eq!(x.len() % rope_dim, 0, "x is not made of rope_dim rows");
@@ -155,7 +174,7 @@ pub fn apply_interleaved(
         let pos = positions[r / rows_per_token] as f64;
         for (pair, &f) in row.chunks(2).zip(&freqs) {
             let (sin, cos) = (pos * f).sin_cos();
-            let (x0, x1) = (pair[0] as f64, pair[1] as f64);
+            let (x0, x1): (f64, f64) = (pair[0].into(), pair[1].into());
             out.push((x0 * cos - x1 * sin) * scale);
             out.push((x0 * sin + x1 * cos) * scale);
         }
