@@ -7,7 +7,7 @@
 //! for layers `< first_k_dense_replace` and the routed MoE plus shared experts after;
 //! finally `logits = lm_head(rmsnorm(x))` (`lm_head` = `embed_tokens` when
 //! `tie_word_embeddings`). Attention is the *unabsorbed* MLA that HF computes (see
-//! [`attention`]); the MoE router is [`crate::moe_gate`]'s.
+//! `model/attention.rs`); the MoE router is [`crate::moe_gate`]'s.
 //!
 //! Follows HF transformers' `modeling_deepseek_v3.py` (5.x) term by term; where HF's
 //! choices are not obvious they are noted at the code that matches them:
@@ -18,6 +18,17 @@
 //!   pairs are rotated in place ([`crate::rope::apply_interleaved_f64`]);
 //! - softmax scale `qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2`
 //!   ([`crate::rope::softmax_scale`]).
+//!
+//! Building [`ModelConfig::rope`] from an HF config (`rope_parameters` in files saved by
+//! transformers 5, `rope_theta` + `rope_scaling` in released checkpoints): no scaling
+//! or `rope_type` "default" is `factor` 1.0; "yarn" takes `factor`,
+//! `original_max_position_embeddings`, `beta_fast`/`beta_slow` (HF defaults 32/1),
+//! `mscale`, `mscale_all_dim`. HF scales cos/sin by the `mscale` ratio only when both
+//! are present and non-zero, by `1 + 0.1 ln(factor)` otherwise, and squares
+//! `mscale(factor, mscale_all_dim)` into the softmax scale only when `mscale_all_dim`
+//! is non-zero: with `mscale_all_dim` missing, set `mscale` 1 and `mscale_all_dim` 0 to
+//! match. A present `mscale_all_dim` without `mscale`, an explicit `attention_factor`
+//! or `truncate: false` have no equivalent here.
 //!
 //! Precision: weights are read as f32 (the checkpoint's bf16 values, or NVFP4 experts
 //! dequantized with [`crate::nvfp4::Nvfp4Matrix::dequantize`]); activations are f64
