@@ -87,6 +87,10 @@ pub fn run_mla<R: Runtime>(
         rows,
     };
     let (words, seen) = match case.format {
+        KvFormat::F32 => (
+            stored.rows.iter().map(|x| x.to_bits()).collect(),
+            stored.clone(),
+        ),
         KvFormat::Bf16 => {
             let bits: Vec<u16> = stored.rows.iter().map(|&x| bf16_encode(x)).collect();
             (pack_u16_words(&bits), stored.bf16_round())
@@ -174,6 +178,7 @@ pub fn run_mla<R: Runtime>(
         AttnMode::Prefill => "mla_prefill",
     };
     let dtype = match case.format {
+        KvFormat::F32 => "f32 kv",
         KvFormat::Bf16 => "bf16 kv",
         KvFormat::Fp8 => "fp8 kv",
     };

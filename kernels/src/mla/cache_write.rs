@@ -1,5 +1,6 @@
 //! Appending new tokens' compressed KV rows (`[tokens, 576]` f32: normalised latent + roped
 //! k_pe) to the paged cache, in the cache's storage format.
+//! - f32: copied as is;
 //! - bf16: round to nearest even, two values per word; bit-exact with
 //!   `kiln_reference::formats::bf16_encode`.
 //! - fp8 (FlashMLA's layout): per 128-element latent tile `scale = amax / 448` (1 when the
@@ -32,6 +33,16 @@ fn e4m3_magnitude(mag: f32) -> u32 {
     let odd = (u32::cast_from(f) & 1) == 1;
     let steps = u32::cast_from(f) + select(d > 0.5 || (d == 0.5 && odd), 1u32, 0u32);
     min(((exp + 6) as u32) * 8 + steps, 0x7e)
+}
+
+#[cube(launch_unchecked)]
+fn write_f32_kernel(kv: &Array<f32>, slots: &Array<u32>, cache: &mut Array<u32>) {
+    let t = CUBE_POS_X as usize;
+    let d = UNIT_POS_X as usize;
+    if d < 576 {
+        let at = slots[t] as usize * 576 + d;
+        cache[at] = u32::reinterpret(kv[t * 576 + d]);
+    }
 }
 
 #[cube(launch_unchecked)]
@@ -119,6 +130,14 @@ pub fn write_kv<R: Runtime>(
     // SAFETY: shapes validated; slots are trusted to be cache rows (the scheduler owns them).
     unsafe {
         match cache.format {
+            KvFormat::F32 => write_f32_kernel::launch_unchecked::<R>(
+                client,
+                count,
+                CubeDim::new_1d(576),
+                kv.arg(),
+                slots.arg(),
+                cache.data.arg(),
+            ),
             KvFormat::Bf16 => write_bf16_kernel::launch_unchecked::<R>(
                 client,
                 count,

@@ -177,7 +177,9 @@ fn kv_row(block_table: &Array<u32>, table: usize, pos: usize, page_size: usize) 
 /// Element `d` (0..576) of cache row `row`, decoded from its storage format.
 #[cube]
 fn kv_value(kv: &Array<u32>, row: usize, d: usize, #[comptime] format: KvFormat) -> f32 {
-    if comptime!(format == KvFormat::Bf16) {
+    if comptime!(format == KvFormat::F32) {
+        f32::reinterpret(kv[row * 576 + d])
+    } else if comptime!(format == KvFormat::Bf16) {
         bf16_to_f32(half_at(kv, row * 576 + d))
     } else {
         // 164 words per row: 128 of E4M3 codes, 4 f32 scales, 32 of bf16 rope pairs.

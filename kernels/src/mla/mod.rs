@@ -12,7 +12,7 @@
 //! query tokens per request: decode, draft verification), [`mla_prefill`] gives a cube a tile
 //! of [`PREFILL_TILE`] consecutive query tokens of one request so each KV row read serves the
 //! whole tile (prefill/extend over a cached prefix). Both use an online softmax over chunks
-//! of [`CHUNK`] positions. The KV storage format (bf16, or FlashMLA's fp8 layout) is a
+//! of [`CHUNK`] positions. The KV storage format (f32, bf16, or FlashMLA's fp8 layout) is a
 //! compile-time parameter. Math oracle: `kiln_reference::mla::mla_attention`.
 //! [`write_kv`] appends new tokens' rows to the cache in either format; [`absorb_query`]
 //! and [`project_values`] are the per-head products around the attention.
@@ -42,6 +42,8 @@ pub const MAX_DECODE_Q_LEN: usize = 64;
 /// How one KV row is stored, as `u32` words.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KvFormat {
+    /// 576 f32 values: exact, for conformance with unquantized peers and debugging.
+    F32,
     /// 576 bf16 values, two per word (element `2i` in the low half).
     Bf16,
     /// FlashMLA's 656-byte row: 512 E4M3 latent codes, 4 f32 scales (one per 128 latent
@@ -53,6 +55,7 @@ impl KvFormat {
     /// Words per KV row.
     pub fn words_per_row(self) -> usize {
         match self {
+            KvFormat::F32 => KV_DIM,
             KvFormat::Bf16 => KV_DIM / 2,
             KvFormat::Fp8 => 656 / 4,
         }

@@ -14,8 +14,10 @@
 //! The absorbed (MQA) form kiln's kernels use is the same function re-associated;
 //! [`crate::mla`] is its oracle.
 
+use super::KvStorage;
 use super::{weight, ModelConfig, Weights};
 use crate::gemm::gemm_nt_f64;
+use crate::mla::{bf16_row_round, fp8_row_decode, fp8_row_encode};
 use crate::norm::rmsnorm_f64;
 use crate::rope::{apply_interleaved_f64, softmax_scale};
 use crate::softmax::softmax_row;
@@ -32,10 +34,11 @@ pub(super) fn mla(
     prefix: &str,
     x: &[f64],
     t: usize,
+    kv: KvStorage,
 ) -> Vec<f64> {
     let (h, nh, dv) = (cfg.hidden_size, cfg.num_attention_heads, cfg.v_head_dim);
     let q = queries(cfg, w, prefix, x, t);
-    let (k, v) = keys_values(cfg, w, prefix, x, t);
+    let (k, v) = keys_values(cfg, w, prefix, x, t, kv);
     let scale = softmax_scale(cfg.qk_head_dim(), &cfg.rope);
     let out = causal_attention(&q, &k, &v, t, nh, scale);
     let o = weight(w, &format!("{prefix}o_proj.weight"), &[h, nh * dv]);
@@ -81,6 +84,7 @@ fn keys_values(
     prefix: &str,
     x: &[f64],
     t: usize,
+    kv: KvStorage,
 ) -> (Vec<f64>, Vec<f64>) {
     let (h, nh) = (cfg.hidden_size, cfg.num_attention_heads);
     let (dn, dr, dv, r) = (
@@ -97,11 +101,12 @@ fn keys_values(
         .chunks(r + dr)
         .flat_map(|row| row[..r].to_vec())
         .collect();
-    let latent = rmsnorm_f64(
+    let mut latent = rmsnorm_f64(
         &latent,
         weight(w, &name("kv_a_layernorm"), &[r]),
         LATENT_NORM_EPS,
     );
+    store_rows(&mut latent, &mut compressed, r, dr, kv);
     let kv_b = weight(w, &name("kv_b_proj"), &[nh * (dn + dv), r]);
     let kv = gemm_nt_f64(&latent, kv_b, t, nh * (dn + dv), r);
     let (mut keys, mut values) = (
@@ -117,6 +122,28 @@ fn keys_values(
         }
     }
     (keys, values)
+}
+
+/// Rounds each token's `[latent | k_pe]` row as `kv` stores it (in place: `latent` is
+/// `[t, r]`, `compressed` `[t, r + dr]` with k_pe in its last `dr` values).
+fn store_rows(latent: &mut [f64], compressed: &mut [f64], r: usize, dr: usize, kv: KvStorage) {
+    if kv == KvStorage::Exact {
+        return;
+    }
+    for (lat, comp) in latent.chunks_mut(r).zip(compressed.chunks_mut(r + dr)) {
+        let row: Vec<f32> = lat.iter().chain(&comp[r..]).map(|&v| v as f32).collect();
+        let stored: Vec<f32> = match kv {
+            KvStorage::Bf16 => bf16_row_round(&row),
+            KvStorage::Fp8 => fp8_row_decode(&fp8_row_encode(&row)).to_vec(),
+            KvStorage::Exact => unreachable!(),
+        };
+        for (d, v) in lat.iter_mut().zip(&stored[..r]) {
+            *d = *v as f64;
+        }
+        for (d, v) in comp[r..].iter_mut().zip(&stored[r..]) {
+            *d = *v as f64;
+        }
+    }
 }
 
 /// Rotates the last `qk_rope_head_dim` values of every `width`-wide row of `x`

@@ -131,12 +131,34 @@ fn weight<'a, W: Weights>(w: &'a W, name: &str, shape: &[usize]) -> &'a [f32] {
     &t.data
 }
 
+/// How the compressed KV rows (`[normalised latent | roped k_pe]`) are stored between
+/// the projection and the attention. HF keeps them exact; an engine's bf16 or FlashMLA fp8
+/// cache rounds them, and that rounding is the one difference between the two forwards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvStorage {
+    Exact,
+    Bf16,
+    /// FlashMLA's fp8 row (needs `kv_lora_rank` 512 and `qk_rope_head_dim` 64).
+    Fp8,
+}
+
 /// Logits `[tokens.len(), vocab_size]` (row-major) of one sequence at positions
 /// `0..tokens.len()`.
 ///
 /// Panics if a weight is missing or misshapen, or a token is out of the vocabulary.
 pub fn forward(cfg: &ModelConfig, weights: &impl Weights, tokens: &[u32]) -> Vec<f64> {
-    let states = hidden_states(cfg, weights, tokens);
+    forward_with_kv(cfg, weights, tokens, KvStorage::Exact)
+}
+
+/// [`forward`] with the KV rows rounded as `kv` stores them: the oracle of an engine that
+/// keeps its KV cache in bf16 or fp8.
+pub fn forward_with_kv(
+    cfg: &ModelConfig,
+    weights: &impl Weights,
+    tokens: &[u32],
+    kv: KvStorage,
+) -> Vec<f64> {
+    let states = hidden_states_with_kv(cfg, weights, tokens, kv);
     logits(
         cfg,
         weights,
@@ -148,11 +170,21 @@ pub fn forward(cfg: &ModelConfig, weights: &impl Weights, tokens: &[u32]) -> Vec
 /// embeddings, entry `i + 1` the output of decoder layer `i` (before the final norm;
 /// HF's `output_hidden_states` may differ in its last entry).
 pub fn hidden_states(cfg: &ModelConfig, weights: &impl Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
+    hidden_states_with_kv(cfg, weights, tokens, KvStorage::Exact)
+}
+
+/// [`hidden_states`] with the KV rows stored as `kv`.
+pub fn hidden_states_with_kv(
+    cfg: &ModelConfig,
+    weights: &impl Weights,
+    tokens: &[u32],
+    kv: KvStorage,
+) -> Vec<Vec<f64>> {
     assert!(!tokens.is_empty(), "empty sequence");
     let mut states = vec![embed(cfg, weights, tokens)];
     for layer in 0..cfg.num_hidden_layers {
         let x = states.last().expect("non-empty");
-        states.push(decoder_layer(cfg, weights, layer, x, tokens.len()));
+        states.push(decoder_layer(cfg, weights, layer, x, tokens.len(), kv));
     }
     states
 }
@@ -182,6 +214,7 @@ fn decoder_layer(
     layer: usize,
     x: &[f64],
     t: usize,
+    kv: KvStorage,
 ) -> Vec<f64> {
     let h = cfg.hidden_size;
     let p = format!("model.layers.{layer}.");
@@ -198,6 +231,7 @@ fn decoder_layer(
         &format!("{p}self_attn."),
         &norm(x, "input_layernorm"),
         t,
+        kv,
     );
     let x = add(x, &attn);
     let normed = norm(&x, "post_attention_layernorm");

@@ -18,7 +18,11 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
 fn formats() -> impl Strategy<Value = KvFormat> {
-    prop_oneof![Just(KvFormat::Bf16), Just(KvFormat::Fp8)]
+    prop_oneof![
+        Just(KvFormat::F32),
+        Just(KvFormat::Bf16),
+        Just(KvFormat::Fp8)
+    ]
 }
 
 /// Requests as (q_len, kv_len) with q_len <= max_q (and <= kv_len).
@@ -180,6 +184,10 @@ fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
                 let row = &data[slot as usize * words..(slot as usize + 1) * words];
                 let x = &kv[t * 576..(t + 1) * 576];
                 match format {
+                    KvFormat::F32 => {
+                        let want: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
+                        prop_assert_eq!(row, want.as_slice());
+                    }
                     KvFormat::Bf16 => {
                         for (i, &w) in row.iter().enumerate() {
                             let want = bf16_encode(x[2 * i]) as u32

@@ -1,0 +1,126 @@
+//! What one forward step computes: for each request, its new tokens at the end of its
+//! context, and where that context lives in the paged KV pool.
+use cubecl::prelude::*;
+use kiln_kernels::mla::{AttnMetadata, PagedKvCache};
+use kiln_kernels::DeviceArray;
+
+use super::ModelError;
+
+/// Per-layer paged KV caches sharing one page table.
+pub struct KvPool {
+    pub caches: Vec<PagedKvCache>,
+    pub page_size: usize,
+    pub num_pages: usize,
+}
+
+/// One request's share of a step: `tokens` are appended at positions
+/// `kv_len - tokens.len() .. kv_len`; `block_table` lists the pages holding positions
+/// `0..kv_len` in order. One new token is a decode step, several a prefill chunk (or a
+/// draft to verify).
+#[derive(Clone, Debug)]
+pub struct RequestSlice {
+    pub tokens: Vec<u32>,
+    pub kv_len: usize,
+    pub block_table: Vec<u32>,
+}
+
+/// The requests of one forward step, in the order their tokens are laid out.
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    pub requests: Vec<RequestSlice>,
+}
+
+/// The host-side layout of a batch, checked, and its device metadata.
+pub(super) struct Plan {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub slots: Vec<u32>,
+    pub meta: AttnMetadata,
+}
+
+impl Batch {
+    /// Checks the batch against the vocabulary and the pool, and lays it out.
+    pub(super) fn plan<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        vocab: usize,
+        pool: &KvPool,
+    ) -> Result<Plan, ModelError> {
+        let bad = |msg: String| Err(ModelError::Batch(msg));
+        if self.requests.is_empty() {
+            return bad("no requests".into());
+        }
+        let max_blocks = self
+            .requests
+            .iter()
+            .map(|r| r.block_table.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let (mut tokens, mut positions, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        let mut cu = vec![0u32];
+        let mut table = vec![0u32; self.requests.len() * max_blocks];
+        for (b, r) in self.requests.iter().enumerate() {
+            let q = r.tokens.len();
+            if q == 0 || q > r.kv_len {
+                return bad(format!(
+                    "request {b}: {q} new tokens for a context of {}",
+                    r.kv_len
+                ));
+            }
+            if r.block_table.len() * pool.page_size < r.kv_len {
+                return bad(format!(
+                    "request {b}: {} pages cannot hold {} tokens",
+                    r.block_table.len(),
+                    r.kv_len
+                ));
+            }
+            if let Some(&p) = r
+                .block_table
+                .iter()
+                .find(|&&p| p as usize >= pool.num_pages)
+            {
+                return bad(format!(
+                    "request {b}: page {p} is outside the pool of {}",
+                    pool.num_pages
+                ));
+            }
+            if let Some(&t) = r.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return bad(format!(
+                    "request {b}: token id {t} is outside the vocabulary of {vocab}"
+                ));
+            }
+            for (i, &t) in r.tokens.iter().enumerate() {
+                let pos = r.kv_len - q + i;
+                tokens.push(t);
+                positions.push(pos as u32);
+                let page = r.block_table[pos / pool.page_size] as usize;
+                slots.push((page * pool.page_size + pos % pool.page_size) as u32);
+            }
+            cu.push(tokens.len() as u32);
+            table[b * max_blocks..b * max_blocks + r.block_table.len()]
+                .copy_from_slice(&r.block_table);
+        }
+        let kv_lens: Vec<u32> = self.requests.iter().map(|r| r.kv_len as u32).collect();
+        let meta = AttnMetadata {
+            batch: self.requests.len(),
+            num_tokens: tokens.len(),
+            max_q_len: self
+                .requests
+                .iter()
+                .map(|r| r.tokens.len())
+                .max()
+                .unwrap_or(1),
+            cu_q_lens: DeviceArray::upload(client, &cu),
+            kv_lens: DeviceArray::upload(client, &kv_lens),
+            block_table: DeviceArray::upload(client, &table),
+            max_blocks,
+        };
+        Ok(Plan {
+            tokens,
+            positions,
+            slots,
+            meta,
+        })
+    }
+}

@@ -1,0 +1,216 @@
+//! The forward pass: embedding, then per layer RMSNorm, absorbed MLA over the paged cache,
+//! residual + RMSNorm (fused), dense MLP or MoE (router, dispatch, grouped experts, shared
+//! expert, combine); final norm and lm_head. Every step is one of kiln's kernels.
+use cubecl::prelude::*;
+use kiln_kernels::activation::silu_mul;
+use kiln_kernels::embedding::embedding;
+use kiln_kernels::mla::{
+    self, absorb_query, project_values, write_kv, PagedKvCache, MAX_DECODE_Q_LEN,
+};
+use kiln_kernels::moe::{combine, dispatch, gather_rows, route, Dispatch, Routing};
+use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm, rmsnorm_prefix};
+use kiln_kernels::rope::{rope_inplace, RopeLayout};
+use kiln_kernels::DeviceArray;
+
+use super::batch::Plan;
+use super::{Attention, Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, QProj};
+
+impl<R: Runtime> GpuModel<R> {
+    /// Runs one step: appends the batch's tokens to the pool and returns their logits,
+    /// `[tokens, vocab]` in request order.
+    pub fn forward(&self, batch: &Batch, pool: &KvPool) -> Result<Vec<f32>, ModelError> {
+        if pool.caches.len() != self.layers.len() {
+            return Err(ModelError::Batch(format!(
+                "KV pool has {} layers, the model {}",
+                pool.caches.len(),
+                self.layers.len()
+            )));
+        }
+        let plan = batch.plan(&self.client, self.config.vocab_size, pool)?;
+        let (cl, c) = (&self.client, &self.config);
+        let t = plan.tokens.len();
+        let eps = c.rms_norm_eps as f32;
+        let residual = self.zeros(t * c.hidden_size);
+        embedding(
+            cl,
+            &self.embed,
+            c.vocab_size,
+            c.hidden_size,
+            &DeviceArray::upload(cl, &plan.tokens),
+            &residual,
+        )?;
+        let x = self.zeros(t * c.hidden_size);
+        let delta = self.zeros(t * c.hidden_size);
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i == 0 {
+                rmsnorm(cl, &residual, t, &layer.input_norm, eps, &x)?;
+            } else {
+                add_rmsnorm(cl, &residual, &delta, t, &layer.input_norm, eps, &x)?;
+            }
+            self.attention(&layer.attn, &x, &plan, &pool.caches[i], &delta)?;
+            add_rmsnorm(cl, &residual, &delta, t, &layer.post_norm, eps, &x)?;
+            match &layer.ffn {
+                Ffn::Dense(mlp) => self.mlp(mlp, &x, t, &delta)?,
+                Ffn::Moe(moe) => self.moe(moe, &x, t, &delta)?,
+            }
+        }
+        add_rmsnorm(cl, &residual, &delta, t, &self.norm, eps, &x)?;
+        let logits = self.zeros(t * c.vocab_size);
+        self.lm_head.apply(cl, &x, t, &logits)?;
+        Ok(logits.read(cl))
+    }
+
+    fn zeros(&self, len: usize) -> DeviceArray<f32> {
+        DeviceArray::filled(&self.client, len, 0.0)
+    }
+
+    fn attention(
+        &self,
+        a: &Attention,
+        x: &DeviceArray<f32>,
+        plan: &Plan,
+        cache: &PagedKvCache,
+        out: &DeviceArray<f32>,
+    ) -> Result<(), ModelError> {
+        let (cl, c) = (&self.client, &self.config);
+        let t = plan.tokens.len();
+        let heads = c.num_attention_heads;
+        let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+        // q_a_layernorm and kv_a_layernorm use 1e-6 whatever rms_norm_eps says (HF,
+        // DeepSeek's and Kimi's code all hard-code it).
+        let eps = 1e-6;
+        let q = self.zeros(t * heads * qk);
+        match &a.q {
+            QProj::Lora { a: qa, norm, b } => {
+                let lat = self.zeros(t * qa.n());
+                qa.apply(cl, x, t, &lat)?;
+                let lat_n = self.zeros(t * qa.n());
+                rmsnorm(cl, &lat, t, norm, eps, &lat_n)?;
+                b.apply(cl, &lat_n, t, &q)?;
+            }
+            QProj::Direct(w) => w.apply(cl, x, t, &q)?,
+        }
+        let positions = DeviceArray::upload(cl, &plan.positions);
+        let rope = |buf: &DeviceArray<f32>, rows_per_token, row_stride, offset| {
+            let layout = RopeLayout {
+                tokens: t,
+                rows_per_token,
+                row_stride,
+                offset,
+                rope_dim: 64,
+            };
+            rope_inplace(cl, buf, layout, &positions, &self.inv_freq, self.rope_scale)
+        };
+        rope(&q, heads, qk, c.qk_nope_head_dim)?;
+        let kv_a = self.zeros(t * 576);
+        a.kv_a.apply(cl, x, t, &kv_a)?;
+        rope(&kv_a, 1, 576, 512)?;
+        let kv_rows = self.zeros(t * 576);
+        rmsnorm_prefix(cl, &kv_a, t, 576, &a.kv_a_norm, eps, &kv_rows)?;
+        write_kv(cl, &kv_rows, &DeviceArray::upload(cl, &plan.slots), cache)?;
+
+        let q_abs = self.zeros(t * heads * 576);
+        absorb_query(cl, &q, t, &a.kv_b, self.kv_b_shape, &q_abs)?;
+        let latent = self.zeros(t * heads * 512);
+        let attend = if plan.meta.max_q_len <= MAX_DECODE_Q_LEN {
+            mla::mla_decode
+        } else {
+            mla::mla_prefill
+        };
+        attend(
+            cl,
+            &q_abs,
+            heads,
+            cache,
+            &plan.meta,
+            self.softmax_scale,
+            &latent,
+        )?;
+        let values = self.zeros(t * heads * c.v_head_dim);
+        project_values(cl, &latent, t, &a.kv_b, self.kv_b_shape, &values)?;
+        a.o.apply(cl, &values, t, out)?;
+        Ok(())
+    }
+
+    fn mlp(
+        &self,
+        m: &Mlp,
+        x: &DeviceArray<f32>,
+        rows: usize,
+        out: &DeviceArray<f32>,
+    ) -> Result<(), ModelError> {
+        let cl = &self.client;
+        let inter = m.gate.n();
+        let (g, u, act) = (
+            self.zeros(rows * inter),
+            self.zeros(rows * inter),
+            self.zeros(rows * inter),
+        );
+        m.gate.apply(cl, x, rows, &g)?;
+        m.up.apply(cl, x, rows, &u)?;
+        silu_mul(cl, &g, &u, &act)?;
+        m.down.apply(cl, &act, rows, out)?;
+        Ok(())
+    }
+
+    fn moe(
+        &self,
+        m: &Moe,
+        x: &DeviceArray<f32>,
+        t: usize,
+        out: &DeviceArray<f32>,
+    ) -> Result<(), ModelError> {
+        let (cl, c) = (&self.client, &self.config);
+        let (e, k, h) = (c.n_routed_experts, c.num_experts_per_tok, c.hidden_size);
+        let logits = self.zeros(t * e);
+        m.router.apply(cl, x, t, &logits)?;
+        let routing = Routing {
+            experts: DeviceArray::filled(cl, t * k, 0u32),
+            weights: self.zeros(t * k),
+        };
+        route(cl, &logits, &m.bias, t, &self.gate, &routing)?;
+        let d = Dispatch {
+            offsets: DeviceArray::filled(cl, e + 1, 0u32),
+            slot: DeviceArray::filled(cl, t * k, 0u32),
+            source: DeviceArray::filled(cl, t * k, 0u32),
+        };
+        dispatch(cl, &routing.experts, e, k, &d)?;
+        let rows = t * k;
+        let xs = self.zeros(rows * h);
+        gather_rows(cl, x, h, &d.source, &xs)?;
+        let inter = m.experts.gate.n();
+        let (g, u, act) = (
+            self.zeros(rows * inter),
+            self.zeros(rows * inter),
+            self.zeros(rows * inter),
+        );
+        m.experts
+            .gate
+            .apply_grouped(cl, &xs, rows, &d.offsets, &g)?;
+        m.experts.up.apply_grouped(cl, &xs, rows, &d.offsets, &u)?;
+        silu_mul(cl, &g, &u, &act)?;
+        let expert_out = self.zeros(rows * h);
+        m.experts
+            .down
+            .apply_grouped(cl, &act, rows, &d.offsets, &expert_out)?;
+        let shared = match &m.shared {
+            Some(s) => {
+                let so = self.zeros(t * h);
+                self.mlp(s, x, t, &so)?;
+                Some(so)
+            }
+            None => None,
+        };
+        combine(
+            cl,
+            &expert_out,
+            &d.slot,
+            &routing.weights,
+            shared.as_ref(),
+            t,
+            h,
+            out,
+        )?;
+        Ok(())
+    }
+}

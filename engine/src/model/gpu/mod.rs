@@ -1,0 +1,255 @@
+//! The model on the device: weights uploaded once, a forward pass built from kiln's CubeCL
+//! kernels (no burn on the hot path), driven by an explicit [`Batch`].
+//!
+//! Attention runs in the absorbed MLA form over a paged KV cache ([`KvPool`]); the routed
+//! experts go through the grouped GEMM after a device-side dispatch; activations are f32,
+//! weights bf16 or NVFP4 as loaded. The MLA kernels fix `kv_lora_rank = 512` and
+//! `qk_rope_head_dim = 64` (DeepSeek-V3 and every Kimi K2): other values are refused.
+mod batch;
+mod forward;
+mod upload;
+
+use cubecl::prelude::*;
+use kiln_kernels::mla::{KvBShape, KvFormat, PagedKvCache};
+use kiln_kernels::moe::GateParams;
+use kiln_kernels::{DeviceArray, KernelError};
+use kiln_reference::model::ModelConfig;
+use kiln_reference::rope::{cos_sin_scale, inv_freq, softmax_scale};
+
+pub use batch::{Batch, KvPool, RequestSlice};
+use upload::{vector, DeviceLinear};
+
+use super::weights::{Checkpoint, LoadError};
+
+/// Why the device model cannot be built or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    #[error("bad batch: {0}")]
+    Batch(String),
+}
+
+enum QProj {
+    Lora {
+        a: DeviceLinear,
+        norm: DeviceArray<f32>,
+        b: DeviceLinear,
+    },
+    Direct(DeviceLinear),
+}
+
+struct Attention {
+    q: QProj,
+    kv_a: DeviceLinear,
+    kv_a_norm: DeviceArray<f32>,
+    /// `kv_b_proj` in bf16 words, used by the absorption kernels.
+    kv_b: DeviceArray<u32>,
+    o: DeviceLinear,
+}
+
+struct Mlp {
+    gate: DeviceLinear,
+    up: DeviceLinear,
+    down: DeviceLinear,
+}
+
+struct Moe {
+    router: DeviceLinear,
+    bias: DeviceArray<f32>,
+    /// Experts of each projection, concatenated.
+    experts: Mlp,
+    shared: Option<Mlp>,
+}
+
+enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+struct Layer {
+    input_norm: DeviceArray<f32>,
+    attn: Attention,
+    post_norm: DeviceArray<f32>,
+    ffn: Ffn,
+}
+
+/// A DeepSeek-V3 / Kimi-K2 model resident on one device.
+pub struct GpuModel<R: Runtime> {
+    client: ComputeClient<R>,
+    pub config: ModelConfig,
+    embed: DeviceArray<u32>,
+    layers: Vec<Layer>,
+    norm: DeviceArray<f32>,
+    lm_head: DeviceLinear,
+    inv_freq: DeviceArray<f32>,
+    rope_scale: f32,
+    softmax_scale: f32,
+    gate: GateParams,
+    kv_b_shape: KvBShape,
+}
+
+impl<R: Runtime> GpuModel<R> {
+    /// Uploads every weight of `ckpt` to the device of `client`.
+    pub fn load(client: ComputeClient<R>, ckpt: &Checkpoint) -> Result<Self, ModelError> {
+        let c = ckpt.spec.arch.clone();
+        if c.kv_lora_rank != 512 || c.qk_rope_head_dim != 64 {
+            return Err(ModelError::Unsupported(format!(
+                "kv_lora_rank {} / qk_rope_head_dim {} (the MLA kernels take 512 / 64)",
+                c.kv_lora_rank, c.qk_rope_head_dim
+            )));
+        }
+        let cl = &client;
+        let plain = |name: &str, shape: &[usize]| ckpt.plain(name, shape).map(|t| vector(cl, &t));
+        let linear = |name: &str, n: usize, k: usize| -> Result<DeviceLinear, LoadError> {
+            Ok(DeviceLinear::upload(cl, &ckpt.linear(name, [n, k])?))
+        };
+        let mlp = |p: &str, inter: usize| -> Result<Mlp, LoadError> {
+            Ok(Mlp {
+                gate: linear(&format!("{p}.gate_proj.weight"), inter, c.hidden_size)?,
+                up: linear(&format!("{p}.up_proj.weight"), inter, c.hidden_size)?,
+                down: linear(&format!("{p}.down_proj.weight"), c.hidden_size, inter)?,
+            })
+        };
+        let h = c.hidden_size;
+        let heads = c.num_attention_heads;
+        let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let a = format!("{p}.self_attn");
+            let q = match c.q_lora_rank {
+                Some(r) => QProj::Lora {
+                    a: linear(&format!("{a}.q_a_proj.weight"), r, h)?,
+                    norm: plain(&format!("{a}.q_a_layernorm.weight"), &[r])?,
+                    b: linear(&format!("{a}.q_b_proj.weight"), heads * qk, r)?,
+                },
+                None => QProj::Direct(linear(&format!("{a}.q_proj.weight"), heads * qk, h)?),
+            };
+            let kv_b_rows = heads * (c.qk_nope_head_dim + c.v_head_dim);
+            let kv_b = ckpt
+                .linear(&format!("{a}.kv_b_proj.weight"), [kv_b_rows, 512])?
+                .dequantize();
+            let attn = Attention {
+                q,
+                kv_a: linear(&format!("{a}.kv_a_proj_with_mqa.weight"), 576, h)?,
+                kv_a_norm: plain(&format!("{a}.kv_a_layernorm.weight"), &[512])?,
+                kv_b: DeviceArray::upload(cl, &upload::bf16_words(&kv_b.data)),
+                o: linear(&format!("{a}.o_proj.weight"), h, heads * c.v_head_dim)?,
+            };
+            let ffn = if i < c.first_k_dense_replace {
+                Ffn::Dense(mlp(&format!("{p}.mlp"), c.intermediate_size)?)
+            } else {
+                Ffn::Moe(load_moe(ckpt, cl, &p, &c)?)
+            };
+            layers.push(Layer {
+                input_norm: plain(&format!("{p}.input_layernorm.weight"), &[h])?,
+                attn,
+                post_norm: plain(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                ffn,
+            });
+        }
+        let embed = ckpt.plain("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let head_name = if c.tie_word_embeddings {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        let freqs: Vec<f32> = inv_freq(c.qk_rope_head_dim, &c.rope)
+            .iter()
+            .map(|&f| f as f32)
+            .collect();
+        Ok(GpuModel {
+            embed: DeviceArray::upload(cl, &upload::bf16_words(&embed.data)),
+            layers,
+            norm: plain("model.norm.weight", &[h])?,
+            lm_head: linear(head_name, c.vocab_size, h)?,
+            inv_freq: DeviceArray::upload(cl, &freqs),
+            rope_scale: cos_sin_scale(&c.rope) as f32,
+            softmax_scale: softmax_scale(qk, &c.rope) as f32,
+            gate: GateParams {
+                n_routed_experts: c.n_routed_experts,
+                num_experts_per_tok: c.num_experts_per_tok,
+                n_group: c.n_group,
+                topk_group: c.topk_group,
+                norm_topk_prob: c.norm_topk_prob,
+                routed_scaling_factor: c.routed_scaling_factor as f32,
+            },
+            kv_b_shape: KvBShape {
+                heads,
+                nope: c.qk_nope_head_dim,
+                v: c.v_head_dim,
+            },
+            config: c,
+            client,
+        })
+    }
+
+    /// A KV pool for this model: `num_pages` pages of `page_size` tokens per layer.
+    pub fn kv_pool(&self, num_pages: usize, page_size: usize, format: KvFormat) -> KvPool {
+        let words = num_pages * page_size * format.words_per_row();
+        let caches = (0..self.config.num_hidden_layers)
+            .map(|_| PagedKvCache {
+                data: DeviceArray::filled(&self.client, words, 0u32),
+                format,
+                page_size,
+                num_pages,
+            })
+            .collect();
+        KvPool {
+            caches,
+            page_size,
+            num_pages,
+        }
+    }
+}
+
+fn load_moe<R: Runtime>(
+    ckpt: &Checkpoint,
+    cl: &ComputeClient<R>,
+    p: &str,
+    c: &ModelConfig,
+) -> Result<Moe, LoadError> {
+    let (h, inter, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
+    let experts = |proj: &str, shape: [usize; 2]| -> Result<DeviceLinear, LoadError> {
+        let loaded = (0..e)
+            .map(|j| ckpt.linear(&format!("{p}.mlp.experts.{j}.{proj}.weight"), shape))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(DeviceLinear::upload_experts(cl, &loaded))
+    };
+    let shared = if c.n_shared_experts > 0 {
+        let si = inter * c.n_shared_experts;
+        let sp = format!("{p}.mlp.shared_experts");
+        let lin = |n: &str, shape| -> Result<DeviceLinear, LoadError> {
+            Ok(DeviceLinear::upload(
+                cl,
+                &ckpt.linear(&format!("{sp}.{n}.weight"), shape)?,
+            ))
+        };
+        Some(Mlp {
+            gate: lin("gate_proj", [si, h])?,
+            up: lin("up_proj", [si, h])?,
+            down: lin("down_proj", [h, si])?,
+        })
+    } else {
+        None
+    };
+    let router = ckpt.plain(&format!("{p}.mlp.gate.weight"), &[e, h])?;
+    Ok(Moe {
+        router: DeviceLinear::upload(cl, &super::weights::LoadedWeight::Dense(router)),
+        bias: vector(
+            cl,
+            &ckpt.plain(&format!("{p}.mlp.gate.e_score_correction_bias"), &[e])?,
+        ),
+        experts: Mlp {
+            gate: experts("gate_proj", [inter, h])?,
+            up: experts("up_proj", [inter, h])?,
+            down: experts("down_proj", [h, inter])?,
+        },
+        shared,
+    })
+}

@@ -1,0 +1,9 @@
+//! The DeepSeek-V3 / Kimi-K2 model: what an HF model directory declares ([`config`]), the
+//! weights its safetensors files hold ([`weights`]), validated against each other, and the
+//! model on the device ([`gpu`]).
+pub mod config;
+pub mod gpu;
+pub mod weights;
+
+pub use config::{ModelSpec, QuantMethod};
+pub use weights::{Checkpoint, LoadError, LoadedWeight};
