@@ -1,44 +1,57 @@
 #!/usr/bin/env bash
-# The conformance suite and `kiln check` on CUDA.
+# kiln on CUDA: the kernel conformance suite, the HF-conformance tests of the model,
+# `kiln check`, and the Kimi-K2 per-layer benchmark.
 #
 #   benches/gpu/conformance.sh build   # on the CPU machine: CUDA-only binaries into .gpu/
 #   benches/gpu/conformance.sh run     # on the GPU machine, from the repo root: runs them,
 #                                      # logs and JSON into $OUT (or gpu-results/)
+#   benches/gpu/conformance.sh bench   # the per-layer benchmark alone
 #
 # Built with `--no-default-features --features cuda` so the binaries need neither Vulkan
 # nor a display on the GPU machine; a separate target dir keeps the wgpu build intact.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+out="${OUT:-gpu-results}"
+test_exe() { # package, test target -> path of the built test executable
+  cargo test --release -p "$1" --no-default-features --features cuda --test "$2" --no-run 2>&1 \
+    | sed -n 's/.*Executable.*(\(.*\)).*/\1/p' | tail -1
+}
+bench() {
+  .gpu/layer_decode --backend cuda --json "$out/layer_decode.json" 2>&1 | tee "$out/layer_decode.log"
+}
 case "${1:-}" in
   build)
     export CARGO_TARGET_DIR=target/cuda CUDARC_CUDA_VERSION=13000
-    cargo build --release -p kiln --no-default-features --features cuda
-    exe=$(cargo test --release -p kiln-conformance --no-default-features --features cuda \
-            --test conformance --no-run 2>&1 | sed -n 's/.*Executable.*(\(.*\)).*/\1/p' | tail -1)
+    cargo build --release -p kiln -p kiln-benches --no-default-features --features cuda
     mkdir -p .gpu
-    cp target/cuda/release/kiln .gpu/kiln
-    cp "$exe" .gpu/conformance
-    strip .gpu/kiln .gpu/conformance
+    cp "$(test_exe kiln-conformance conformance)" .gpu/conformance
+    cp "$(test_exe kiln hf_conformance)" .gpu/hf_conformance
+    cp target/cuda/release/kiln target/cuda/release/layer_decode .gpu/
+    strip .gpu/*
     ls -la .gpu
     ;;
   run)
-    out="${OUT:-gpu-results}"
     mkdir -p "$out"
-    export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+    export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" KILN_FIXTURES="$PWD/tests/fixtures/hf"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
-    .gpu/kiln info --backend cuda | tee "$out/info.txt"
     set +e
     .gpu/conformance --test-threads 4 2>&1 | tee "$out/conformance.log"
-    tests=${PIPESTATUS[0]}
+    kernels=${PIPESTATUS[0]}
+    .gpu/hf_conformance --nocapture --test-threads 1 2>&1 | tee "$out/hf_conformance.log"
+    model=${PIPESTATUS[0]}
     .gpu/kiln check --backend cuda --json "$out/check.json" 2>&1 | tee "$out/check.log"
     check=${PIPESTATUS[0]}
     set -e
-    grep -E "^test result" "$out/conformance.log" || true
-    echo "conformance exit $tests, check exit $check"
-    [ "$tests" -eq 0 ] && [ "$check" -eq 0 ]
+    grep -E "^test result" "$out/conformance.log" "$out/hf_conformance.log" || true
+    echo "conformance exit $kernels, hf_conformance exit $model, check exit $check"
+    [ "$kernels" -eq 0 ] && [ "$model" -eq 0 ] && [ "$check" -eq 0 ]
+    ;;
+  bench)
+    mkdir -p "$out"
+    bench
     ;;
   *)
-    echo "usage: $0 build|run" >&2
+    echo "usage: $0 build|run|bench" >&2
     exit 2
     ;;
 esac

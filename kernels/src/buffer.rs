@@ -49,6 +49,16 @@ impl<T: CubeElement> DeviceArray<T> {
         Self::upload(client, &vec![value; len])
     }
 
+    /// `len` elements, uninitialised: only for outputs a kernel overwrites entirely
+    /// (allocating without a host copy matters for gigabyte-sized buffers).
+    pub fn uninit<R: Runtime>(client: &ComputeClient<R>, len: usize) -> Self {
+        Self {
+            handle: client.empty(len * std::mem::size_of::<T>()),
+            len,
+            _elem: PhantomData,
+        }
+    }
+
     /// Reads the buffer back (waits for the kernels that write it).
     pub fn read<R: Runtime>(&self, client: &ComputeClient<R>) -> Vec<T> {
         let bytes = client.read_one_unchecked(self.handle.clone());

@@ -20,6 +20,7 @@ pub mod blackwell;
 pub mod buffer;
 pub mod embedding;
 pub mod error;
+pub mod fill;
 pub mod formats;
 pub mod gemm;
 pub mod mla;

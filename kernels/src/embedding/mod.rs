@@ -11,9 +11,9 @@ const UNITS: u32 = 256;
 
 #[cube(launch_unchecked)]
 fn embedding_kernel(table: &Array<u32>, tokens: &Array<u32>, out: &mut Array<f32>, hidden: u32) {
-    let t = CUBE_POS_Y as usize;
+    let t = CUBE_POS_X as usize;
     let h = hidden as usize;
-    let c = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let c = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
     if c < h {
         out[t * h + c] = bf16_to_f32(half_at(table, tokens[t] as usize * h + c));
     }
@@ -40,7 +40,7 @@ pub fn embedding<R: Runtime>(
     if tokens.is_empty() {
         return Ok(());
     }
-    let max = client.properties().hardware.max_cube_count.1 as usize;
+    let max = client.properties().hardware.max_cube_count.0 as usize;
     if tokens.len() > max {
         return Err(KernelError::Range {
             what: "tokens",
@@ -53,7 +53,7 @@ pub fn embedding<R: Runtime>(
     unsafe {
         embedding_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static((hidden as u32).div_ceil(UNITS), tokens.len() as u32, 1),
+            CubeCount::Static(tokens.len() as u32, (hidden as u32).div_ceil(UNITS), 1),
             CubeDim::new_1d(UNITS),
             table.arg(),
             tokens.arg(),

@@ -31,8 +31,8 @@ fn absorb_query_kernel(
     v: u32,
     heads: u32,
 ) {
-    let th = CUBE_POS_Y as usize; // token * heads + head
-    let c = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let th = CUBE_POS_X as usize; // token * heads + head
+    let c = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
     let h = th % heads as usize;
     let width = nope as usize + 64;
     if c < 512 {
@@ -56,8 +56,8 @@ fn project_values_kernel(
     v: u32,
     heads: u32,
 ) {
-    let th = CUBE_POS_Y as usize;
-    let j = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let th = CUBE_POS_X as usize;
+    let j = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
     let h = th % heads as usize;
     if j < v as usize {
         let w_row = (h * (nope + v) as usize + nope as usize + j) * 512;
@@ -80,7 +80,7 @@ fn validate<R: Runtime>(
         kv_b,
         s.heads * (s.nope + s.v) * V_DIM / 2,
     )?;
-    let max = client.properties().hardware.max_cube_count.1 as usize;
+    let max = client.properties().hardware.max_cube_count.0 as usize;
     if rows == 0 || rows > max {
         return Err(KernelError::Range {
             what: "tokens x heads",
@@ -109,7 +109,7 @@ pub fn absorb_query<R: Runtime>(
     unsafe {
         absorb_query_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static((KV_DIM as u32).div_ceil(UNITS), rows as u32, 1),
+            CubeCount::Static(rows as u32, (KV_DIM as u32).div_ceil(UNITS), 1),
             CubeDim::new_1d(UNITS),
             q.arg(),
             kv_b.arg(),
@@ -139,7 +139,7 @@ pub fn project_values<R: Runtime>(
     unsafe {
         project_values_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static((shape.v as u32).div_ceil(UNITS), rows as u32, 1),
+            CubeCount::Static(rows as u32, (shape.v as u32).div_ceil(UNITS), 1),
             CubeDim::new_1d(UNITS),
             latent.arg(),
             kv_b.arg(),

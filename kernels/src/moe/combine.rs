@@ -18,8 +18,8 @@ fn combine_kernel(
     top_k: u32,
     #[comptime] with_shared: bool,
 ) {
-    let t = CUBE_POS_Y as usize;
-    let c = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let t = CUBE_POS_X as usize;
+    let c = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
     let n = cols as usize;
     if c < n {
         let mut acc = 0.0f32;
@@ -54,6 +54,15 @@ pub fn combine<R: Runtime>(
             multiple: tokens.max(1),
         });
     }
+    let max = client.properties().hardware.max_cube_count.0 as usize;
+    if tokens > max {
+        return Err(KernelError::Range {
+            what: "tokens",
+            value: tokens,
+            min: 1,
+            max,
+        });
+    }
     check_len("routing weights", weights, pairs)?;
     check_len("expert outputs", expert_out, pairs * cols)?;
     check_len("output", out, tokens * cols)?;
@@ -64,7 +73,7 @@ pub fn combine<R: Runtime>(
     unsafe {
         combine_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static((cols as u32).div_ceil(UNITS), tokens as u32, 1),
+            CubeCount::Static(tokens as u32, (cols as u32).div_ceil(UNITS), 1),
             CubeDim::new_1d(UNITS),
             expert_out.arg(),
             slot.arg(),

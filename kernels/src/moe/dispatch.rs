@@ -118,8 +118,8 @@ pub fn dispatch<R: Runtime>(
 
 #[cube(launch_unchecked)]
 fn gather_kernel(x: &Array<f32>, source: &Array<u32>, out: &mut Array<f32>, cols: u32) {
-    let r = CUBE_POS_Y as usize;
-    let c = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let r = CUBE_POS_X as usize;
+    let c = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
     let n = cols as usize;
     if c < n {
         out[r * n + c] = x[source[r] as usize * n + c];
@@ -142,7 +142,7 @@ pub fn gather_rows<R: Runtime>(
         });
     }
     check_len("gathered rows", out, source.len() * cols)?;
-    let max = client.properties().hardware.max_cube_count.1 as usize;
+    let max = client.properties().hardware.max_cube_count.0 as usize;
     if source.len() > max {
         return Err(KernelError::Range {
             what: "gathered rows",
@@ -158,7 +158,7 @@ pub fn gather_rows<R: Runtime>(
     unsafe {
         gather_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static((cols as u32).div_ceil(UNITS), source.len() as u32, 1),
+            CubeCount::Static(source.len() as u32, (cols as u32).div_ceil(UNITS), 1),
             CubeDim::new_1d(UNITS),
             x.arg(),
             source.arg(),

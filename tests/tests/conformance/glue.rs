@@ -4,6 +4,7 @@
 use cubecl::prelude::*;
 use kiln_kernels::activation::silu_mul;
 use kiln_kernels::embedding::embedding;
+use kiln_kernels::fill::fill_random_bits;
 use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm, rmsnorm_prefix};
 use kiln_kernels::rope::{rope_inplace, RopeLayout};
 use kiln_kernels::{DeviceArray, KernelError};
@@ -246,6 +247,23 @@ fn rope_rows<R: Runtime>(client: &ComputeClient<R>) {
         .unwrap();
 }
 
+/// Synthetic-model fill: every word obeys the masks, and the bits vary.
+fn random_fill_respects_masks<R: Runtime>(client: &ComputeClient<R>) {
+    let buf = DeviceArray::<u32>::uninit(client, 10_007);
+    fill_random_bits(client, &buf, 42, 0x0f0f_0f0f, 0x3030_3030).unwrap();
+    let words = buf.read(client);
+    assert!(words.iter().all(|w| w & !0x0f0f_0f0f == 0x3030_3030));
+    let distinct: std::collections::HashSet<u32> = words.iter().copied().collect();
+    assert!(
+        distinct.len() > 9_000,
+        "only {} distinct words",
+        distinct.len()
+    );
+    let again = DeviceArray::<u32>::uninit(client, 10_007);
+    fill_random_bits(client, &again, 43, u32::MAX, 0).unwrap();
+    assert_ne!(again.read(client), words, "another seed gives other bits");
+}
+
 fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
     let x = DeviceArray::upload(client, &[1.0f32; 12]);
     let w = DeviceArray::upload(client, &[1.0f32; 5]);
@@ -284,5 +302,6 @@ kiln_backends::backend_tests! {
     silu_and_mul_rows,
     embedding_rows,
     rope_rows,
+    random_fill_respects_masks,
     bad_shapes_are_typed_errors,
 }

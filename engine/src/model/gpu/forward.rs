@@ -30,7 +30,7 @@ impl<R: Runtime> GpuModel<R> {
         let (cl, c) = (&self.client, &self.config);
         let t = plan.tokens.len();
         let eps = c.rms_norm_eps as f32;
-        let residual = self.zeros(t * c.hidden_size);
+        let residual = self.scratch(t * c.hidden_size);
         embedding(
             cl,
             &self.embed,
@@ -39,8 +39,8 @@ impl<R: Runtime> GpuModel<R> {
             &DeviceArray::upload(cl, &plan.tokens),
             &residual,
         )?;
-        let x = self.zeros(t * c.hidden_size);
-        let delta = self.zeros(t * c.hidden_size);
+        let x = self.scratch(t * c.hidden_size);
+        let delta = self.scratch(t * c.hidden_size);
         for (i, layer) in self.layers.iter().enumerate() {
             if i == 0 {
                 rmsnorm(cl, &residual, t, &layer.input_norm, eps, &x)?;
@@ -55,13 +55,15 @@ impl<R: Runtime> GpuModel<R> {
             }
         }
         add_rmsnorm(cl, &residual, &delta, t, &self.norm, eps, &x)?;
-        let logits = self.zeros(t * c.vocab_size);
+        let logits = self.scratch(t * c.vocab_size);
         self.lm_head.apply(cl, &x, t, &logits)?;
         Ok(logits.read(cl))
     }
 
-    fn zeros(&self, len: usize) -> DeviceArray<f32> {
-        DeviceArray::filled(&self.client, len, 0.0)
+    /// A scratch buffer; every one in the forward pass is fully written by the kernel that
+    /// produces it before anything reads it.
+    fn scratch(&self, len: usize) -> DeviceArray<f32> {
+        DeviceArray::uninit(&self.client, len)
     }
 
     fn attention(
@@ -79,12 +81,12 @@ impl<R: Runtime> GpuModel<R> {
         // q_a_layernorm and kv_a_layernorm use 1e-6 whatever rms_norm_eps says (HF,
         // DeepSeek's and Kimi's code all hard-code it).
         let eps = 1e-6;
-        let q = self.zeros(t * heads * qk);
+        let q = self.scratch(t * heads * qk);
         match &a.q {
             QProj::Lora { a: qa, norm, b } => {
-                let lat = self.zeros(t * qa.n());
+                let lat = self.scratch(t * qa.n());
                 qa.apply(cl, x, t, &lat)?;
-                let lat_n = self.zeros(t * qa.n());
+                let lat_n = self.scratch(t * qa.n());
                 rmsnorm(cl, &lat, t, norm, eps, &lat_n)?;
                 b.apply(cl, &lat_n, t, &q)?;
             }
@@ -102,16 +104,16 @@ impl<R: Runtime> GpuModel<R> {
             rope_inplace(cl, buf, layout, &positions, &self.inv_freq, self.rope_scale)
         };
         rope(&q, heads, qk, c.qk_nope_head_dim)?;
-        let kv_a = self.zeros(t * 576);
+        let kv_a = self.scratch(t * 576);
         a.kv_a.apply(cl, x, t, &kv_a)?;
         rope(&kv_a, 1, 576, 512)?;
-        let kv_rows = self.zeros(t * 576);
+        let kv_rows = self.scratch(t * 576);
         rmsnorm_prefix(cl, &kv_a, t, 576, &a.kv_a_norm, eps, &kv_rows)?;
         write_kv(cl, &kv_rows, &DeviceArray::upload(cl, &plan.slots), cache)?;
 
-        let q_abs = self.zeros(t * heads * 576);
+        let q_abs = self.scratch(t * heads * 576);
         absorb_query(cl, &q, t, &a.kv_b, self.kv_b_shape, &q_abs)?;
-        let latent = self.zeros(t * heads * 512);
+        let latent = self.scratch(t * heads * 512);
         let attend = if plan.meta.max_q_len <= MAX_DECODE_Q_LEN {
             mla::mla_decode
         } else {
@@ -126,7 +128,7 @@ impl<R: Runtime> GpuModel<R> {
             self.softmax_scale,
             &latent,
         )?;
-        let values = self.zeros(t * heads * c.v_head_dim);
+        let values = self.scratch(t * heads * c.v_head_dim);
         project_values(cl, &latent, t, &a.kv_b, self.kv_b_shape, &values)?;
         a.o.apply(cl, &values, t, out)?;
         Ok(())
@@ -142,9 +144,9 @@ impl<R: Runtime> GpuModel<R> {
         let cl = &self.client;
         let inter = m.gate.n();
         let (g, u, act) = (
-            self.zeros(rows * inter),
-            self.zeros(rows * inter),
-            self.zeros(rows * inter),
+            self.scratch(rows * inter),
+            self.scratch(rows * inter),
+            self.scratch(rows * inter),
         );
         m.gate.apply(cl, x, rows, &g)?;
         m.up.apply(cl, x, rows, &u)?;
@@ -162,40 +164,40 @@ impl<R: Runtime> GpuModel<R> {
     ) -> Result<(), ModelError> {
         let (cl, c) = (&self.client, &self.config);
         let (e, k, h) = (c.n_routed_experts, c.num_experts_per_tok, c.hidden_size);
-        let logits = self.zeros(t * e);
+        let logits = self.scratch(t * e);
         m.router.apply(cl, x, t, &logits)?;
         let routing = Routing {
             experts: DeviceArray::filled(cl, t * k, 0u32),
-            weights: self.zeros(t * k),
+            weights: self.scratch(t * k),
         };
         route(cl, &logits, &m.bias, t, &self.gate, &routing)?;
         let d = Dispatch {
-            offsets: DeviceArray::filled(cl, e + 1, 0u32),
-            slot: DeviceArray::filled(cl, t * k, 0u32),
-            source: DeviceArray::filled(cl, t * k, 0u32),
+            offsets: DeviceArray::uninit(cl, e + 1),
+            slot: DeviceArray::uninit(cl, t * k),
+            source: DeviceArray::uninit(cl, t * k),
         };
         dispatch(cl, &routing.experts, e, k, &d)?;
         let rows = t * k;
-        let xs = self.zeros(rows * h);
+        let xs = self.scratch(rows * h);
         gather_rows(cl, x, h, &d.source, &xs)?;
         let inter = m.experts.gate.n();
         let (g, u, act) = (
-            self.zeros(rows * inter),
-            self.zeros(rows * inter),
-            self.zeros(rows * inter),
+            self.scratch(rows * inter),
+            self.scratch(rows * inter),
+            self.scratch(rows * inter),
         );
         m.experts
             .gate
             .apply_grouped(cl, &xs, rows, &d.offsets, &g)?;
         m.experts.up.apply_grouped(cl, &xs, rows, &d.offsets, &u)?;
         silu_mul(cl, &g, &u, &act)?;
-        let expert_out = self.zeros(rows * h);
+        let expert_out = self.scratch(rows * h);
         m.experts
             .down
             .apply_grouped(cl, &act, rows, &d.offsets, &expert_out)?;
         let shared = match &m.shared {
             Some(s) => {
-                let so = self.zeros(t * h);
+                let so = self.scratch(t * h);
                 self.mlp(s, x, t, &so)?;
                 Some(so)
             }

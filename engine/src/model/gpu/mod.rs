@@ -7,6 +7,7 @@
 //! `qk_rope_head_dim = 64` (DeepSeek-V3 and every Kimi K2): other values are refused.
 mod batch;
 mod forward;
+mod synthetic;
 mod upload;
 
 use cubecl::prelude::*;

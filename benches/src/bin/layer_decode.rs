@@ -1,0 +1,189 @@
+//! Per-layer step time of a Kimi-K2-shaped model at full width (weights generated on the
+//! device), for decode at several batch sizes and contexts and for an 8k prefill, against
+//! the bandwidth floor. A layer's time is the difference between a 3-layer and a 1-layer
+//! model's forward, halved, so the embedding, lm_head and host work of a step cancel out.
+//!
+//! The forward is run and its logits read back once before timing (kernel compilation);
+//! the KV cache is filled with random bf16 values (never zeros). Prints a table, writes JSON.
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Parser;
+use cubecl::prelude::*;
+use kiln::model::gpu::{Batch, GpuModel, KvPool, RequestSlice};
+use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
+use kiln_benches::{floor_seconds, kimi_k2_layers};
+use kiln_kernels::fill::fill_random_bits;
+use kiln_kernels::mla::KvFormat;
+
+/// Kimi-K2 per-layer decode and prefill timing on the device.
+#[derive(Parser)]
+struct Args {
+    /// Backend: wgpu or cuda (default: KILN_BACKEND, else cuda if compiled in).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Decode batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    batches: Vec<usize>,
+    /// Context lengths (tokens already cached per request).
+    #[arg(long, value_delimiter = ',', default_value = "8192,32768,100000")]
+    contexts: Vec<usize>,
+    /// Prefill length (0 to skip).
+    #[arg(long, default_value_t = 8192)]
+    prefill: usize,
+    /// Timed repetitions per point (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Write every point as JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+const PAGE: usize = 64;
+
+#[derive(serde::Serialize)]
+struct Point {
+    kind: &'static str,
+    batch: usize,
+    context: usize,
+    layer_ms: f64,
+    floor_ms: f64,
+    floor_ratio: f64,
+    bytes_gb: f64,
+    achieved_gbps: f64,
+    tokens_per_s: f64,
+}
+
+struct Bench {
+    args: Args,
+}
+
+impl BackendVisitor for Bench {
+    type Output = anyhow::Result<Vec<Point>>;
+    fn visit<R: Runtime>(self, client: ComputeClient<R>, report: DeviceReport) -> Self::Output {
+        eprintln!("{report}");
+        let one = GpuModel::synthetic(client.clone(), kimi_k2_layers(1, 1024), 1)?;
+        let three = GpuModel::synthetic(client.clone(), kimi_k2_layers(3, 1024), 2)?;
+        let mut points = Vec::new();
+        for &b in &self.args.batches {
+            for &ctx in &self.args.contexts {
+                let ms = layer_ms(&one, &three, b, ctx, 1, self.args.reps)?;
+                points.push(point("decode", &three, b, ctx, ms, b * ctx));
+                eprintln!("decode batch {b} context {ctx}: {ms:.3} ms per layer");
+            }
+        }
+        if self.args.prefill > 0 {
+            let n = self.args.prefill;
+            let ms = layer_ms(&one, &three, 1, n, n, self.args.reps)?;
+            points.push(point("prefill", &three, 1, n, ms, n * (n + 1) / 2));
+            eprintln!("prefill {n}: {ms:.3} ms per layer");
+        }
+        Ok(points)
+    }
+}
+
+fn point<R: Runtime>(
+    kind: &'static str,
+    m: &GpuModel<R>,
+    batch: usize,
+    ctx: usize,
+    ms: f64,
+    kv_read: usize,
+) -> Point {
+    let tokens = if kind == "prefill" { ctx } else { batch };
+    let (bytes, floor) = floor_seconds(&m.config, tokens, kv_read);
+    Point {
+        kind,
+        batch,
+        context: ctx,
+        layer_ms: ms,
+        floor_ms: floor * 1e3,
+        floor_ratio: ms / (floor * 1e3),
+        bytes_gb: bytes / 1e9,
+        achieved_gbps: bytes / (ms * 1e-3) / 1e9,
+        tokens_per_s: tokens as f64 / (ms * 1e-3),
+    }
+}
+
+/// Per-layer milliseconds for `batch` requests of `context` cached tokens, `new` of them
+/// computed in this step.
+fn layer_ms<R: Runtime>(
+    one: &GpuModel<R>,
+    three: &GpuModel<R>,
+    batch: usize,
+    context: usize,
+    new: usize,
+    reps: usize,
+) -> anyhow::Result<f64> {
+    let t1 = step_ms(one, batch, context, new, reps)?;
+    let t3 = step_ms(three, batch, context, new, reps)?;
+    Ok((t3 - t1) / 2.0)
+}
+
+fn step_ms<R: Runtime>(
+    m: &GpuModel<R>,
+    batch: usize,
+    context: usize,
+    new: usize,
+    reps: usize,
+) -> anyhow::Result<f64> {
+    let pages_per = context.div_ceil(PAGE);
+    let pool: KvPool = m.kv_pool(batch * pages_per, PAGE, KvFormat::Bf16);
+    for (i, cache) in pool.caches.iter().enumerate() {
+        fill_random_bits(
+            m.client(),
+            &cache.data,
+            7 + i as u32,
+            0x807f_807f,
+            0x3f00_3f00,
+        )?;
+    }
+    let requests = (0..batch)
+        .map(|b| RequestSlice {
+            tokens: (0..new).map(|i| ((b * 31 + i * 7) % 1024) as u32).collect(),
+            kv_len: context,
+            block_table: (b * pages_per..(b + 1) * pages_per)
+                .map(|p| p as u32)
+                .collect(),
+        })
+        .collect();
+    let batch = Batch { requests };
+    m.forward(&batch, &pool).context("warm-up step")?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let start = Instant::now();
+        m.forward(&batch, &pool)?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let kind = BackendKind::choose(args.backend.as_deref())?;
+    let json = args.json.clone();
+    let points = with_backend(kind, Bench { args })??;
+    println!(
+        "{:<8} {:>6} {:>8} {:>11} {:>10} {:>8} {:>9} {:>10} {:>12}",
+        "kind", "batch", "context", "layer ms", "floor ms", "x floor", "GB", "GB/s", "tokens/s"
+    );
+    for p in &points {
+        println!(
+            "{:<8} {:>6} {:>8} {:>11.3} {:>10.3} {:>8.1} {:>9.2} {:>10.1} {:>12.1}",
+            p.kind,
+            p.batch,
+            p.context,
+            p.layer_ms,
+            p.floor_ms,
+            p.floor_ratio,
+            p.bytes_gb,
+            p.achieved_gbps,
+            p.tokens_per_s
+        );
+    }
+    if let Some(path) = json {
+        std::fs::write(&path, serde_json::to_string_pretty(&points)?)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! Shared pieces of kiln's GPU benchmarks: the Kimi-K2 layer shape and its byte counts.
+use kiln_reference::model::ModelConfig;
+use kiln_reference::rope::YarnConfig;
+
+/// The copy bandwidth measured on the H200 (read + write), the floor's denominator.
+pub const HBM_BYTES_PER_S: f64 = 4.30e12;
+
+/// Kimi K2's decoder (hidden 7168, 64 heads, MLA 512 + 64, 384 NVFP4 experts top-8 of
+/// 2048, one shared expert), every layer an MoE layer, with a small vocabulary: the
+/// embedding and lm_head are not part of a layer's time.
+pub fn kimi_k2_layers(layers: usize, vocab: usize) -> ModelConfig {
+    ModelConfig {
+        vocab_size: vocab,
+        hidden_size: 7168,
+        intermediate_size: 18432,
+        moe_intermediate_size: 2048,
+        num_hidden_layers: layers,
+        num_attention_heads: 64,
+        q_lora_rank: Some(1536),
+        kv_lora_rank: 512,
+        qk_nope_head_dim: 128,
+        qk_rope_head_dim: 64,
+        v_head_dim: 128,
+        n_routed_experts: 384,
+        n_shared_experts: 1,
+        num_experts_per_tok: 8,
+        n_group: 1,
+        topk_group: 1,
+        norm_topk_prob: true,
+        routed_scaling_factor: 2.827,
+        first_k_dense_replace: 0,
+        rms_norm_eps: 1e-5,
+        rope: YarnConfig::kimi_k2(),
+        tie_word_embeddings: false,
+    }
+}
+
+/// Bytes of one MoE layer's bf16 weights outside the routed experts (attention, router,
+/// shared expert).
+pub fn dense_weight_bytes(c: &ModelConfig) -> f64 {
+    let (h, heads) = (c.hidden_size as f64, c.num_attention_heads as f64);
+    let r = c.q_lora_rank.unwrap_or(0) as f64;
+    let qk = (c.qk_nope_head_dim + c.qk_rope_head_dim) as f64;
+    let attn = r * h
+        + heads * qk * r
+        + 576.0 * h
+        + heads * (c.qk_nope_head_dim + c.v_head_dim) as f64 * 512.0
+        + h * heads * c.v_head_dim as f64;
+    let router = c.n_routed_experts as f64 * h;
+    let shared = 3.0 * h * (c.moe_intermediate_size * c.n_shared_experts) as f64;
+    2.0 * (attn + router + shared)
+}
+
+/// Bytes of one routed expert in NVFP4 (half a byte per weight, one E4M3 scale per 16).
+pub fn expert_bytes(c: &ModelConfig) -> f64 {
+    3.0 * (c.hidden_size * c.moe_intermediate_size) as f64 * (0.5 + 1.0 / 16.0)
+}
+
+/// Expected distinct experts touched by `tokens` tokens routed uniformly at random.
+pub fn experts_touched(c: &ModelConfig, tokens: usize) -> f64 {
+    let e = c.n_routed_experts as f64;
+    e * (1.0 - (1.0 - 1.0 / e).powf((tokens * c.num_experts_per_tok) as f64))
+}
+
+/// The bandwidth floor of one layer's step: weights touched plus bf16 KV read, over
+/// [`HBM_BYTES_PER_S`].
+pub fn floor_seconds(c: &ModelConfig, tokens: usize, kv_tokens_read: usize) -> (f64, f64) {
+    let bytes = dense_weight_bytes(c)
+        + experts_touched(c, tokens) * expert_bytes(c)
+        + kv_tokens_read as f64 * 1152.0;
+    (bytes, bytes / HBM_BYTES_PER_S)
+}

@@ -1,0 +1,177 @@
+//! Full-width models with pseudo-random weights generated on the device (no file, no host
+//! copy of the weights): routed experts in NVFP4, everything else in bf16, norms at 1.
+//! For benchmarks at the real shapes; their outputs mean nothing.
+use cubecl::prelude::*;
+use kiln_kernels::fill::fill_random_bits;
+use kiln_kernels::gemm::{Bf16Weights, Nvfp4Weights};
+use kiln_kernels::mla::KvBShape;
+use kiln_kernels::moe::GateParams;
+use kiln_kernels::DeviceArray;
+use kiln_reference::model::ModelConfig;
+use kiln_reference::rope::{cos_sin_scale, inv_freq, softmax_scale};
+
+use super::{Attention, DeviceLinear, Ffn, GpuModel, Layer, Mlp, ModelError, Moe, QProj};
+
+/// bf16 pairs with magnitudes in [2^-7, 2^-6) and random signs and mantissas.
+const BF16_AND: u32 = 0x807f_807f;
+const BF16_OR: u32 = 0x3c00_3c00;
+/// E4M3 scales 0x30..0x37: 0.5 to 0.94.
+const SCALE_AND: u32 = 0x0707_0707;
+const SCALE_OR: u32 = 0x3030_3030;
+/// Global scale: NVFP4 weights up to 6 * 0.94 * 0.004 = 0.0226.
+const GLOBAL_SCALE: f32 = 0.004;
+
+struct Filler<'a, R: Runtime> {
+    client: &'a ComputeClient<R>,
+    seed: u32,
+}
+
+impl<R: Runtime> Filler<'_, R> {
+    fn words(&mut self, len: usize, and: u32, or: u32) -> Result<DeviceArray<u32>, ModelError> {
+        let buf = DeviceArray::uninit(self.client, len);
+        self.seed = self.seed.wrapping_add(0x9e37_79b9);
+        fill_random_bits(self.client, &buf, self.seed, and, or)?;
+        Ok(buf)
+    }
+
+    fn bf16(&mut self, experts: usize, n: usize, k: usize) -> Result<DeviceLinear, ModelError> {
+        let data = self.words(experts * n * k / 2, BF16_AND, BF16_OR)?;
+        Ok(DeviceLinear::Bf16(Bf16Weights {
+            data,
+            experts,
+            n,
+            k,
+        }))
+    }
+
+    fn nvfp4(&mut self, experts: usize, n: usize, k: usize) -> Result<DeviceLinear, ModelError> {
+        let elems = experts * n * k;
+        Ok(DeviceLinear::Nvfp4(Nvfp4Weights {
+            packed: self.words(elems / 8, u32::MAX, 0)?,
+            scales: self.words((elems / 16).div_ceil(4), SCALE_AND, SCALE_OR)?,
+            global_scales: DeviceArray::upload(self.client, &vec![GLOBAL_SCALE; experts]),
+            experts,
+            n,
+            k,
+        }))
+    }
+
+    fn ones(&self, len: usize) -> DeviceArray<f32> {
+        DeviceArray::upload(self.client, &vec![1.0f32; len])
+    }
+
+    fn mlp(
+        &mut self,
+        experts: usize,
+        h: usize,
+        inter: usize,
+        nvfp4: bool,
+    ) -> Result<Mlp, ModelError> {
+        let mut make = |n, k| {
+            if nvfp4 {
+                self.nvfp4(experts, n, k)
+            } else {
+                self.bf16(experts, n, k)
+            }
+        };
+        Ok(Mlp {
+            gate: make(inter, h)?,
+            up: make(inter, h)?,
+            down: make(h, inter)?,
+        })
+    }
+}
+
+impl<R: Runtime> GpuModel<R> {
+    /// A model of `c`'s shape with device-generated random weights (`kv_lora_rank` 512,
+    /// `qk_rope_head_dim` 64, `q_lora_rank` set, as in DeepSeek-V3 and Kimi K2).
+    pub fn synthetic(
+        client: ComputeClient<R>,
+        c: ModelConfig,
+        seed: u32,
+    ) -> Result<Self, ModelError> {
+        let Some(r) = c
+            .q_lora_rank
+            .filter(|_| c.kv_lora_rank == 512 && c.qk_rope_head_dim == 64)
+        else {
+            return Err(ModelError::Unsupported(
+                "synthetic models take Kimi/DeepSeek-V3 attention dims".into(),
+            ));
+        };
+        let mut f = Filler {
+            client: &client,
+            seed,
+        };
+        let (h, heads) = (c.hidden_size, c.num_attention_heads);
+        let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let attn = Attention {
+                q: QProj::Lora {
+                    a: f.bf16(1, r, h)?,
+                    norm: f.ones(r),
+                    b: f.bf16(1, heads * qk, r)?,
+                },
+                kv_a: f.bf16(1, 576, h)?,
+                kv_a_norm: f.ones(512),
+                kv_b: f.words(
+                    heads * (c.qk_nope_head_dim + c.v_head_dim) * 512 / 2,
+                    BF16_AND,
+                    BF16_OR,
+                )?,
+                o: f.bf16(1, h, heads * c.v_head_dim)?,
+            };
+            let ffn = if i < c.first_k_dense_replace {
+                Ffn::Dense(f.mlp(1, h, c.intermediate_size, false)?)
+            } else {
+                let shared_inter = c.moe_intermediate_size * c.n_shared_experts;
+                Ffn::Moe(Moe {
+                    router: f.bf16(1, c.n_routed_experts, h)?,
+                    bias: DeviceArray::upload(&client, &vec![0.0f32; c.n_routed_experts]),
+                    experts: f.mlp(c.n_routed_experts, h, c.moe_intermediate_size, true)?,
+                    shared: if shared_inter > 0 {
+                        Some(f.mlp(1, h, shared_inter, false)?)
+                    } else {
+                        None
+                    },
+                })
+            };
+            layers.push(Layer {
+                input_norm: f.ones(h),
+                attn,
+                post_norm: f.ones(h),
+                ffn,
+            });
+        }
+        let freqs: Vec<f32> = inv_freq(64, &c.rope).iter().map(|&x| x as f32).collect();
+        Ok(GpuModel {
+            embed: f.words(c.vocab_size * h / 2, BF16_AND, BF16_OR)?,
+            layers,
+            norm: f.ones(h),
+            lm_head: f.bf16(1, c.vocab_size, h)?,
+            inv_freq: DeviceArray::upload(&client, &freqs),
+            rope_scale: cos_sin_scale(&c.rope) as f32,
+            softmax_scale: softmax_scale(qk, &c.rope) as f32,
+            gate: GateParams {
+                n_routed_experts: c.n_routed_experts,
+                num_experts_per_tok: c.num_experts_per_tok,
+                n_group: c.n_group,
+                topk_group: c.topk_group,
+                norm_topk_prob: c.norm_topk_prob,
+                routed_scaling_factor: c.routed_scaling_factor as f32,
+            },
+            kv_b_shape: KvBShape {
+                heads,
+                nope: c.qk_nope_head_dim,
+                v: c.v_head_dim,
+            },
+            config: c,
+            client,
+        })
+    }
+
+    /// The device client the model runs on.
+    pub fn client(&self) -> &ComputeClient<R> {
+        &self.client
+    }
+}
