@@ -21,6 +21,9 @@ enum Command {
     /// (kernel, shape, backend, max abs/rel error, tolerance, pass, time). Exits non-zero
     /// if any kernel disagrees with the reference.
     Check(cli::check::CheckArgs),
+    /// Generate a completion for a prompt with a model directory (greedy by default) and
+    /// print it with prefill and decode speeds.
+    Generate(cli::generate::GenerateArgs),
     /// Print the device the chosen backend runs on and what it supports (name, arch,
     /// tensor-core types, bf16 / fp8 / fp4 support).
     Info(cli::info::InfoArgs),
@@ -39,6 +42,7 @@ fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Check(args) => cli::check::run(args),
+        Command::Generate(args) => cli::generate::run(args),
         Command::Info(args) => cli::info::run(args),
     }
 }

@@ -1,5 +1,10 @@
-//! The `kiln` binary as a user meets it: help text and clear errors for bad choices.
+//! The `kiln` binary as a user meets it: help text, clear errors for bad choices, and
+//! `kiln generate` on a real (tiny) model directory, checked against the reference model.
+use std::path::Path;
 use std::process::Command;
+
+use kiln::model::Checkpoint;
+use kiln_reference::model::{forward_with_kv, KvStorage};
 
 fn kiln(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_kiln"))
@@ -13,7 +18,7 @@ fn help_lists_the_subcommands() {
     let out = kiln(&["--help"]);
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
-    for sub in ["check", "info"] {
+    for sub in ["check", "generate", "info"] {
         assert!(text.contains(sub), "--help does not mention {sub}:\n{text}");
     }
 }
@@ -31,4 +36,70 @@ fn a_backend_not_compiled_in_says_how_to_get_it() {
     let out = kiln(&["check", "--backend", "cuda"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--features cuda"));
+}
+
+fn ids_after(label: &str, stdout: &str) -> Vec<u32> {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with(label))
+        .unwrap_or_else(|| panic!("no {label} in {stdout}"));
+    line[label.len()..]
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect()
+}
+
+/// Greedy generation on the tiny Kimi-shaped fixture equals the reference model's greedy
+/// continuation (bf16 KV on both sides), for as long as the reference's top choice is clear.
+#[test]
+fn generate_continues_the_prompt_like_the_reference_model() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf/tiny-kimi");
+    let out = kiln(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "kiln serves coding agents",
+        "--max-tokens",
+        "6",
+        "--ids",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tokens/s"));
+    let mut tokens = ids_after("prompt ids:", &stdout);
+    let completion = ids_after("completion ids:", &stdout);
+    assert!(!completion.is_empty());
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let weights = ckpt.reference_weights().unwrap();
+    let vocab = ckpt.spec.arch.vocab_size;
+    for &got in &completion {
+        let logits = forward_with_kv(&ckpt.spec.arch, &weights, &tokens, KvStorage::Bf16);
+        let last = &logits[logits.len() - vocab..];
+        let mut order: Vec<usize> = (0..vocab).collect();
+        order.sort_by(|&a, &b| last[b].total_cmp(&last[a]));
+        let scale = last.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        if last[order[0]] - last[order[1]] < 2f64.powi(-8) * scale {
+            break; // a near-tie: either choice is right
+        }
+        assert_eq!(got as usize, order[0], "after {tokens:?}");
+        tokens.push(got);
+    }
+}
+
+#[test]
+fn generate_names_a_missing_model_directory() {
+    let out = kiln(&[
+        "generate",
+        "--model",
+        "/nonexistent/model",
+        "--prompt",
+        "hi",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/model"));
 }

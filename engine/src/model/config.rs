@@ -29,6 +29,15 @@ pub struct ModelSpec {
     pub model_type: String,
     pub arch: ModelConfig,
     pub quant: QuantMethod,
+    /// Tokens that end a generation (`eos_token_id`, a number or a list).
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
 }
 
 /// `rope_scaling` (transformers 4 and the original checkpoints) or `rope_parameters`
@@ -82,6 +91,7 @@ struct RawConfig {
     rope_parameters: Option<RopeScaling>,
     max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
+    eos_token_id: Option<TokenIds>,
 }
 
 const SUPPORTED: [&str; 3] = ["deepseek_v3", "kimi_k2", "kimi_k25"];
@@ -111,6 +121,7 @@ impl ModelSpec {
             .as_ref()
             .map(quant_method)
             .transpose()?;
+        let outer_eos = outer.eos_token_id.as_ref().map(eos_list);
         let text_cfg = match outer.text_config {
             Some(inner) => *inner,
             None if outer_type == "kimi_k25" => {
@@ -127,11 +138,25 @@ impl ModelSpec {
             Some(q) => q,
             None => outer_quant.unwrap_or(QuantMethod::None),
         };
+        let eos_token_ids = text_cfg
+            .eos_token_id
+            .as_ref()
+            .map(eos_list)
+            .or(outer_eos)
+            .unwrap_or_default();
         Ok(ModelSpec {
             model_type: outer_type,
             arch: architecture(&text_cfg)?,
             quant,
+            eos_token_ids,
         })
+    }
+}
+
+fn eos_list(ids: &TokenIds) -> Vec<u32> {
+    match ids {
+        TokenIds::One(id) => vec![*id],
+        TokenIds::Many(ids) => ids.clone(),
     }
 }
 

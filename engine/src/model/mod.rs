@@ -1,8 +1,9 @@
 //! The DeepSeek-V3 / Kimi-K2 model: what an HF model directory declares ([`config`]), the
 //! weights its safetensors files hold ([`weights`]), validated against each other, and the
-//! model on the device ([`gpu`]).
+//! model on the device ([`gpu`]), and its tokenizer ([`tokenizer`]).
 pub mod config;
 pub mod gpu;
+pub mod tokenizer;
 pub mod weights;
 
 pub use config::{ModelSpec, QuantMethod};

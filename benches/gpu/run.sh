@@ -2,10 +2,10 @@
 # kiln on CUDA: the kernel conformance suite, the HF-conformance tests of the model,
 # `kiln check`, and the Kimi-K2 per-layer benchmark.
 #
-#   benches/gpu/conformance.sh build   # on the CPU machine: CUDA-only binaries into .gpu/
-#   benches/gpu/conformance.sh run     # on the GPU machine, from the repo root: runs them,
+#   benches/gpu/run.sh build   # on the CPU machine: CUDA-only binaries into .gpu/
+#   benches/gpu/run.sh run     # on the GPU machine, from the repo root: runs them,
 #                                      # logs and JSON into $OUT (or gpu-results/)
-#   benches/gpu/conformance.sh bench   # the per-layer benchmark alone
+#   benches/gpu/run.sh bench   # the per-layer benchmark alone
 #
 # Built with `--no-default-features --features cuda` so the binaries need neither Vulkan
 # nor a display on the GPU machine; a separate target dir keeps the wgpu build intact.

@@ -1,0 +1,152 @@
+//! `kiln generate`: load a model directory, prefill the prompt, decode a completion.
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use cubecl::prelude::*;
+use kiln::model::gpu::{Batch, GpuModel, RequestSlice};
+use kiln::model::tokenizer::TextCodec;
+use kiln::model::Checkpoint;
+use kiln::sampling::sample;
+use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
+use kiln_kernels::mla::KvFormat;
+use kiln_reference::data::Rng;
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// HF model directory: config.json, model*.safetensors, tokenizer.json.
+    #[arg(long, value_name = "DIR")]
+    model: PathBuf,
+    /// The prompt, as raw text (no chat template is applied).
+    #[arg(long)]
+    prompt: String,
+    /// Most tokens to generate (stops earlier at an end-of-sequence token).
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// KV cache storage.
+    #[arg(long, value_enum, default_value_t = KvDtype::Bf16)]
+    kv_cache_dtype: KvDtype,
+    /// Backend: wgpu or cuda (default: KILN_BACKEND, else cuda if compiled in).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Also print the prompt's and the completion's token ids.
+    #[arg(long)]
+    ids: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum KvDtype {
+    F32,
+    Bf16,
+    Fp8,
+}
+
+impl From<KvDtype> for KvFormat {
+    fn from(d: KvDtype) -> Self {
+        match d {
+            KvDtype::F32 => KvFormat::F32,
+            KvDtype::Bf16 => KvFormat::Bf16,
+            KvDtype::Fp8 => KvFormat::Fp8,
+        }
+    }
+}
+
+const PAGE: usize = 64;
+
+struct Generate<'a> {
+    args: &'a GenerateArgs,
+    ckpt: &'a Checkpoint,
+    prompt: Vec<u32>,
+}
+
+/// Generated ids, prefill seconds, decode seconds.
+type Outcome = (Vec<u32>, f64, f64);
+
+impl BackendVisitor for Generate<'_> {
+    type Output = anyhow::Result<Outcome>;
+
+    fn visit<R: Runtime>(self, client: ComputeClient<R>, report: DeviceReport) -> Self::Output {
+        tracing::info!(device = %report.name, "uploading weights");
+        let model = GpuModel::load(client, self.ckpt)?;
+        let total = self.prompt.len() + self.args.max_tokens;
+        let pages = total.div_ceil(PAGE);
+        let pool = model.kv_pool(pages, PAGE, self.args.kv_cache_dtype.into());
+        let table: Vec<u32> = (0..pages as u32).collect();
+        let vocab = model.config.vocab_size;
+        let mut rng = Rng::new(self.args.seed);
+        let step = |tokens: Vec<u32>, kv_len: usize| {
+            let slice = RequestSlice {
+                tokens,
+                kv_len,
+                block_table: table[..kv_len.div_ceil(PAGE)].to_vec(),
+            };
+            model.forward(
+                &Batch {
+                    requests: vec![slice],
+                },
+                &pool,
+            )
+        };
+        let start = Instant::now();
+        let logits = step(self.prompt.clone(), self.prompt.len())?;
+        let prefill_s = start.elapsed().as_secs_f64();
+        let mut next = sample(
+            &logits[logits.len() - vocab..],
+            self.args.temperature,
+            &mut rng,
+        );
+        let mut out = Vec::new();
+        let start = Instant::now();
+        while out.len() < self.args.max_tokens {
+            out.push(next);
+            if self.ckpt.spec.eos_token_ids.contains(&next) || out.len() == self.args.max_tokens {
+                break;
+            }
+            let logits = step(vec![next], self.prompt.len() + out.len())?;
+            next = sample(&logits, self.args.temperature, &mut rng);
+        }
+        Ok((out, prefill_s, start.elapsed().as_secs_f64()))
+    }
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
+    let kind = BackendKind::choose(args.backend.as_deref())?;
+    let ckpt = Checkpoint::open(&args.model)
+        .with_context(|| format!("opening {}", args.model.display()))?;
+    let codec = TextCodec::from_dir(&args.model)?;
+    let prompt = codec.encode(&args.prompt).map_err(anyhow::Error::msg)?;
+    anyhow::ensure!(!prompt.is_empty(), "the prompt encodes to no tokens");
+    let (ids, prefill_s, decode_s) = with_backend(
+        kind,
+        Generate {
+            args: &args,
+            ckpt: &ckpt,
+            prompt: prompt.clone(),
+        },
+    )??;
+    println!("{}", codec.decode(&ids).map_err(anyhow::Error::msg)?);
+    if args.ids {
+        let join = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
+        println!("prompt ids: {}", join(&prompt));
+        println!("completion ids: {}", join(&ids));
+    }
+    let decoded = ids.len().saturating_sub(1);
+    eprintln!(
+        "prefill {} tokens in {:.3} s ({:.1} tokens/s); decode {} tokens in {:.3} s ({:.1} tokens/s)",
+        prompt.len(),
+        prefill_s,
+        prompt.len() as f64 / prefill_s,
+        decoded,
+        decode_s,
+        if decode_s > 0.0 { decoded as f64 / decode_s } else { 0.0 },
+    );
+    Ok(())
+}
