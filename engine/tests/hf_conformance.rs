@@ -52,7 +52,7 @@ fn golden(dir: &Path) -> Vec<(Vec<u32>, Vec<f32>)> {
 }
 
 /// Compares logits row by row; returns the worst error relative to each row's bound.
-fn check_logits(name: &str, got: &[f64], want: &[f32], vocab: usize) -> f64 {
+fn check_rows(name: &str, got: &[f64], want: &[f32], vocab: usize) -> f64 {
     let mut worst = 0.0f64;
     for (t, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
         let scale = w.iter().fold(0.0f64, |m, &x| m.max((x as f64).abs()));
@@ -85,7 +85,7 @@ fn reference_matches_hf(name: &str) {
     let vocab = ckpt.spec.arch.vocab_size;
     for (tokens, logits) in golden(&dir) {
         let got = forward(&ckpt.spec.arch, &weights, &tokens);
-        let worst = check_logits(name, &got, &logits, vocab);
+        let worst = check_rows(name, &got, &logits, vocab);
         eprintln!(
             "{name}: {} tokens, worst error {worst:.4} of the bf16 bound",
             tokens.len()
@@ -120,13 +120,11 @@ fn prefill<R: Runtime>(model: &GpuModel<R>, tokens: &[u32], kv: KvFormat) -> Vec
     let pages = tokens.len().div_ceil(page);
     let pool = model.kv_pool(pages + 2, page, kv);
     let table: Vec<u32> = (0..pages as u32).rev().map(|p| p + 1).collect();
-    let batch = Batch {
-        requests: vec![RequestSlice {
-            tokens: tokens.to_vec(),
-            kv_len: tokens.len(),
-            block_table: table,
-        }],
-    };
+    let batch = Batch::new(vec![RequestSlice {
+        tokens: tokens.to_vec(),
+        kv_len: tokens.len(),
+        block_table: table,
+    }]);
     model
         .forward(&batch, &pool)
         .unwrap()
@@ -141,7 +139,7 @@ fn prefill_matches_hf<R: Runtime>(client: &ComputeClient<R>, name: &str) {
     let (_, model) = device_model(client, name);
     for (tokens, logits) in golden(&fixture(name)) {
         let got = prefill(&model, &tokens, KvFormat::F32);
-        let worst = check_logits(name, &got, &logits, model.config.vocab_size);
+        let worst = check_rows(name, &got, &logits, model.config.vocab_size);
         eprintln!(
             "{name} prefill: {} tokens, worst error {worst:.4} of the bf16 bound",
             tokens.len()
@@ -164,18 +162,11 @@ fn decode_matches_hf<R: Runtime>(client: &ComputeClient<R>, name: &str) {
             kv_len: end,
             block_table: table[..end].to_vec(),
         };
-        let out = model
-            .forward(
-                &Batch {
-                    requests: vec![slice],
-                },
-                &pool,
-            )
-            .unwrap();
+        let out = model.forward(&Batch::new(vec![slice]), &pool).unwrap();
         got.extend(out.iter().map(|&x| x as f64));
         at = end;
     }
-    let worst = check_logits(name, &got, &logits, model.config.vocab_size);
+    let worst = check_rows(name, &got, &logits, model.config.vocab_size);
     eprintln!(
         "{name} decode: {} tokens, worst error {worst:.4} of the bf16 bound",
         tokens.len()
@@ -199,7 +190,7 @@ fn quantized_cache_matches_reference<R: Runtime>(
         .map(|&x| x as f32)
         .collect();
     let got = prefill(&model, &tokens, kv);
-    let worst = check_logits(name, &got, &want, model.config.vocab_size);
+    let worst = check_rows(name, &got, &want, model.config.vocab_size);
     eprintln!(
         "{name} {kv:?} cache: worst error {worst:.4} of the bf16 bound against the reference"
     );
@@ -229,6 +220,34 @@ fn kimi_fp8_cache<R: Runtime>(client: &ComputeClient<R>) {
     quantized_cache_matches_reference(client, "tiny-kimi-nvfp4", KvFormat::Fp8, KvStorage::Fp8);
 }
 
+/// Captured hidden states (what a drafter conditions on) equal the reference's residual
+/// stream after those layers, within the bf16 tolerance of each token's row.
+fn hidden_states_match_the_reference<R: Runtime>(client: &ComputeClient<R>) {
+    let (ckpt, model) = device_model(client, "tiny-kimi");
+    let weights = ckpt.reference_weights().unwrap();
+    let (tokens, _) = golden(&fixture("tiny-kimi")).pop().unwrap();
+    let want = kiln_reference::model::hidden_states(&ckpt.spec.arch, &weights, &tokens);
+    let pool = model.kv_pool(tokens.len(), 1, KvFormat::F32);
+    let table = (0..tokens.len() as u32).collect();
+    let mut batch = Batch::new(vec![RequestSlice {
+        tokens: tokens.clone(),
+        kv_len: tokens.len(),
+        block_table: table,
+    }]);
+    batch.capture = vec![2, 0];
+    let out = model.step(&batch, &pool).unwrap();
+    assert_eq!(
+        out.hidden.iter().map(|(l, _)| *l).collect::<Vec<_>>(),
+        vec![2, 0]
+    );
+    let h = model.config.hidden_size;
+    for (layer, got) in &out.hidden {
+        let got: Vec<f64> = got.iter().map(|&x| x as f64).collect();
+        let want: Vec<f32> = want[layer + 1].iter().map(|&x| x as f32).collect();
+        check_rows(&format!("hidden after layer {layer}"), &got, &want, h);
+    }
+}
+
 /// The MLA kernels take kv_lora_rank 512 and rope 64; other shapes are refused by name.
 fn other_mla_dims_are_refused<R: Runtime>(client: &ComputeClient<R>) {
     let ckpt = Checkpoint::open(&fixture("tiny-dsv3")).unwrap();
@@ -242,12 +261,12 @@ fn other_mla_dims_are_refused<R: Runtime>(client: &ComputeClient<R>) {
 fn bad_batches_are_refused<R: Runtime>(client: &ComputeClient<R>) {
     let (_, model) = device_model(client, "tiny-kimi");
     let pool = model.kv_pool(4, 4, KvFormat::Bf16);
-    let one = |tokens: Vec<u32>, kv_len, block_table: Vec<u32>| Batch {
-        requests: vec![RequestSlice {
+    let one = |tokens: Vec<u32>, kv_len, block_table: Vec<u32>| {
+        Batch::new(vec![RequestSlice {
             tokens,
             kv_len,
             block_table,
-        }],
+        }])
     };
     for (batch, needle) in [
         (one(vec![600], 1, vec![0]), "outside the vocabulary"),
@@ -268,6 +287,7 @@ kiln_backends::backend_tests! {
     kimi_nvfp4_decode,
     kimi_bf16_cache,
     kimi_fp8_cache,
+    hidden_states_match_the_reference,
     other_mla_dims_are_refused,
     bad_batches_are_refused,
 }

@@ -147,7 +147,7 @@ fn step_ms<R: Runtime>(
                 .collect(),
         })
         .collect();
-    let batch = Batch { requests };
+    let batch = Batch::new(requests);
     m.forward(&batch, &pool).context("warm-up step")?;
     let mut times = Vec::with_capacity(reps);
     for _ in 0..reps.max(1) {

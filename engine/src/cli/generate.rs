@@ -87,12 +87,7 @@ impl BackendVisitor for Generate<'_> {
                 kv_len,
                 block_table: table[..kv_len.div_ceil(PAGE)].to_vec(),
             };
-            model.forward(
-                &Batch {
-                    requests: vec![slice],
-                },
-                &pool,
-            )
+            model.forward(&Batch::new(vec![slice]), &pool)
         };
         let start = Instant::now();
         let logits = step(self.prompt.clone(), self.prompt.len())?;

@@ -28,17 +28,39 @@ pub struct RequestSlice {
 #[derive(Clone, Debug, Default)]
 pub struct Batch {
     pub requests: Vec<RequestSlice>,
+    /// Layers whose output hidden states (the residual stream after the layer, all tokens)
+    /// the step also returns: what speculative drafters condition on.
+    pub capture: Vec<usize>,
 }
 
-/// The host-side layout of a batch, checked, and its device metadata.
+/// What a step returns.
+#[derive(Clone, Debug)]
+pub struct StepOutput {
+    /// `[tokens, vocab]` in request order.
+    pub logits: Vec<f32>,
+    /// `(layer, [tokens, hidden])` for each layer in [`Batch::capture`], in that order.
+    pub hidden: Vec<(usize, Vec<f32>)>,
+}
+
+/// The layout of a batch, checked, uploaded once per step.
 pub(super) struct Plan {
-    pub tokens: Vec<u32>,
-    pub positions: Vec<u32>,
-    pub slots: Vec<u32>,
+    pub num_tokens: usize,
+    pub tokens: DeviceArray<u32>,
+    pub positions: DeviceArray<u32>,
+    /// Cache row of each new token.
+    pub slots: DeviceArray<u32>,
     pub meta: AttnMetadata,
 }
 
 impl Batch {
+    /// A step over `requests` that captures no hidden states.
+    pub fn new(requests: Vec<RequestSlice>) -> Self {
+        Batch {
+            requests,
+            capture: Vec::new(),
+        }
+    }
+
     /// Checks the batch against the vocabulary and the pool, and lays it out.
     pub(super) fn plan<R: Runtime>(
         &self,
@@ -49,6 +71,9 @@ impl Batch {
         let bad = |msg: String| Err(ModelError::Batch(msg));
         if self.requests.is_empty() {
             return bad("no requests".into());
+        }
+        if let Some(&l) = self.capture.iter().find(|&&l| l >= pool.caches.len()) {
+            return bad(format!("cannot capture layer {l} of {}", pool.caches.len()));
         }
         let max_blocks = self
             .requests
@@ -117,9 +142,10 @@ impl Batch {
             max_blocks,
         };
         Ok(Plan {
-            tokens,
-            positions,
-            slots,
+            num_tokens: tokens.len(),
+            tokens: DeviceArray::upload(client, &tokens),
+            positions: DeviceArray::upload(client, &positions),
+            slots: DeviceArray::upload(client, &slots),
             meta,
         })
     }

@@ -13,12 +13,17 @@ use kiln_kernels::rope::{rope_inplace, RopeLayout};
 use kiln_kernels::DeviceArray;
 
 use super::batch::Plan;
-use super::{Attention, Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, QProj};
+use super::{Attention, Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, QProj, StepOutput};
 
 impl<R: Runtime> GpuModel<R> {
     /// Runs one step: appends the batch's tokens to the pool and returns their logits,
     /// `[tokens, vocab]` in request order.
     pub fn forward(&self, batch: &Batch, pool: &KvPool) -> Result<Vec<f32>, ModelError> {
+        Ok(self.step(batch, pool)?.logits)
+    }
+
+    /// [`Self::forward`], also returning the hidden states of the layers in `batch.capture`.
+    pub fn step(&self, batch: &Batch, pool: &KvPool) -> Result<StepOutput, ModelError> {
         if pool.caches.len() != self.layers.len() {
             return Err(ModelError::Batch(format!(
                 "KV pool has {} layers, the model {}",
@@ -28,7 +33,7 @@ impl<R: Runtime> GpuModel<R> {
         }
         let plan = batch.plan(&self.client, self.config.vocab_size, pool)?;
         let (cl, c) = (&self.client, &self.config);
-        let t = plan.tokens.len();
+        let t = plan.num_tokens;
         let eps = c.rms_norm_eps as f32;
         let residual = self.scratch(t * c.hidden_size);
         embedding(
@@ -36,11 +41,12 @@ impl<R: Runtime> GpuModel<R> {
             &self.embed,
             c.vocab_size,
             c.hidden_size,
-            &DeviceArray::upload(cl, &plan.tokens),
+            &plan.tokens,
             &residual,
         )?;
         let x = self.scratch(t * c.hidden_size);
         let delta = self.scratch(t * c.hidden_size);
+        let mut captured = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             if i == 0 {
                 rmsnorm(cl, &residual, t, &layer.input_norm, eps, &x)?;
@@ -53,11 +59,31 @@ impl<R: Runtime> GpuModel<R> {
                 Ffn::Dense(mlp) => self.mlp(mlp, &x, t, &delta)?,
                 Ffn::Moe(moe) => self.moe(moe, &x, t, &delta)?,
             }
+            if batch.capture.contains(&i) {
+                // The layer's output is residual + delta; the device adds them in the next
+                // fused norm, the host adds them here (the same f32 sum).
+                let (r, d) = (residual.read(cl), delta.read(cl));
+                captured.push((i, r.iter().zip(&d).map(|(a, b)| a + b).collect()));
+            }
         }
         add_rmsnorm(cl, &residual, &delta, t, &self.norm, eps, &x)?;
         let logits = self.scratch(t * c.vocab_size);
         self.lm_head.apply(cl, &x, t, &logits)?;
-        Ok(logits.read(cl))
+        let hidden = batch
+            .capture
+            .iter()
+            .map(|l| {
+                captured
+                    .iter()
+                    .find(|(i, _)| i == l)
+                    .cloned()
+                    .expect("captured above")
+            })
+            .collect();
+        Ok(StepOutput {
+            logits: logits.read(cl),
+            hidden,
+        })
     }
 
     /// A scratch buffer; every one in the forward pass is fully written by the kernel that
@@ -75,7 +101,7 @@ impl<R: Runtime> GpuModel<R> {
         out: &DeviceArray<f32>,
     ) -> Result<(), ModelError> {
         let (cl, c) = (&self.client, &self.config);
-        let t = plan.tokens.len();
+        let t = plan.num_tokens;
         let heads = c.num_attention_heads;
         let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
         // q_a_layernorm and kv_a_layernorm use 1e-6 whatever rms_norm_eps says (HF,
@@ -92,7 +118,6 @@ impl<R: Runtime> GpuModel<R> {
             }
             QProj::Direct(w) => w.apply(cl, x, t, &q)?,
         }
-        let positions = DeviceArray::upload(cl, &plan.positions);
         let rope = |buf: &DeviceArray<f32>, rows_per_token, row_stride, offset| {
             let layout = RopeLayout {
                 tokens: t,
@@ -101,7 +126,14 @@ impl<R: Runtime> GpuModel<R> {
                 offset,
                 rope_dim: 64,
             };
-            rope_inplace(cl, buf, layout, &positions, &self.inv_freq, self.rope_scale)
+            rope_inplace(
+                cl,
+                buf,
+                layout,
+                &plan.positions,
+                &self.inv_freq,
+                self.rope_scale,
+            )
         };
         rope(&q, heads, qk, c.qk_nope_head_dim)?;
         let kv_a = self.scratch(t * 576);
@@ -109,7 +141,7 @@ impl<R: Runtime> GpuModel<R> {
         rope(&kv_a, 1, 576, 512)?;
         let kv_rows = self.scratch(t * 576);
         rmsnorm_prefix(cl, &kv_a, t, 576, &a.kv_a_norm, eps, &kv_rows)?;
-        write_kv(cl, &kv_rows, &DeviceArray::upload(cl, &plan.slots), cache)?;
+        write_kv(cl, &kv_rows, &plan.slots, cache)?;
 
         let q_abs = self.scratch(t * heads * 576);
         absorb_query(cl, &q, t, &a.kv_b, self.kv_b_shape, &q_abs)?;

@@ -17,10 +17,11 @@ use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::model::ModelConfig;
 use kiln_reference::rope::{cos_sin_scale, inv_freq, softmax_scale};
 
-pub use batch::{Batch, KvPool, RequestSlice};
+pub use batch::{Batch, KvPool, RequestSlice, StepOutput};
 use upload::{vector, DeviceLinear};
 
-use super::weights::{Checkpoint, LoadError};
+use super::weights::{needed_tensors, progress_bar, Checkpoint, LoadError};
+use indicatif::ProgressBar;
 
 /// Why the device model cannot be built or run.
 #[derive(Debug, thiserror::Error)]
@@ -105,8 +106,13 @@ impl<R: Runtime> GpuModel<R> {
             )));
         }
         let cl = &client;
-        let plain = |name: &str, shape: &[usize]| ckpt.plain(name, shape).map(|t| vector(cl, &t));
+        let bar = progress_bar(needed_tensors(&c).len());
+        let plain = |name: &str, shape: &[usize]| {
+            bar.inc(1);
+            ckpt.plain(name, shape).map(|t| vector(cl, &t))
+        };
         let linear = |name: &str, n: usize, k: usize| -> Result<DeviceLinear, LoadError> {
+            bar.inc(1);
             Ok(DeviceLinear::upload(cl, &ckpt.linear(name, [n, k])?))
         };
         let mlp = |p: &str, inter: usize| -> Result<Mlp, LoadError> {
@@ -145,7 +151,7 @@ impl<R: Runtime> GpuModel<R> {
             let ffn = if i < c.first_k_dense_replace {
                 Ffn::Dense(mlp(&format!("{p}.mlp"), c.intermediate_size)?)
             } else {
-                Ffn::Moe(load_moe(ckpt, cl, &p, &c)?)
+                Ffn::Moe(load_moe(ckpt, cl, &p, &c, &bar)?)
             };
             layers.push(Layer {
                 input_norm: plain(&format!("{p}.input_layernorm.weight"), &[h])?,
@@ -155,11 +161,13 @@ impl<R: Runtime> GpuModel<R> {
             });
         }
         let embed = ckpt.plain("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        bar.inc(1);
         let head_name = if c.tie_word_embeddings {
             "model.embed_tokens.weight"
         } else {
             "lm_head.weight"
         };
+        bar.finish_and_clear();
         let freqs: Vec<f32> = inv_freq(c.qk_rope_head_dim, &c.rope)
             .iter()
             .map(|&f| f as f32)
@@ -214,11 +222,15 @@ fn load_moe<R: Runtime>(
     cl: &ComputeClient<R>,
     p: &str,
     c: &ModelConfig,
+    bar: &ProgressBar,
 ) -> Result<Moe, LoadError> {
     let (h, inter, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
     let experts = |proj: &str, shape: [usize; 2]| -> Result<DeviceLinear, LoadError> {
         let loaded = (0..e)
-            .map(|j| ckpt.linear(&format!("{p}.mlp.experts.{j}.{proj}.weight"), shape))
+            .map(|j| {
+                bar.inc(1);
+                ckpt.linear(&format!("{p}.mlp.experts.{j}.{proj}.weight"), shape)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(DeviceLinear::upload_experts(cl, &loaded))
     };
@@ -226,6 +238,7 @@ fn load_moe<R: Runtime>(
         let si = inter * c.n_shared_experts;
         let sp = format!("{p}.mlp.shared_experts");
         let lin = |n: &str, shape| -> Result<DeviceLinear, LoadError> {
+            bar.inc(1);
             Ok(DeviceLinear::upload(
                 cl,
                 &ckpt.linear(&format!("{sp}.{n}.weight"), shape)?,
@@ -240,6 +253,7 @@ fn load_moe<R: Runtime>(
         None
     };
     let router = ckpt.plain(&format!("{p}.mlp.gate.weight"), &[e, h])?;
+    bar.inc(2);
     Ok(Moe {
         router: DeviceLinear::upload(cl, &super::weights::LoadedWeight::Dense(router)),
         bias: vector(

@@ -143,10 +143,7 @@ impl Checkpoint {
     /// input of `kiln_reference::model::forward`), with a progress bar on a terminal.
     pub fn reference_weights(&self) -> Result<HashMap<String, Tensor>, LoadError> {
         let needed = needed_tensors(&self.spec.arch);
-        let bar = ProgressBar::new(needed.len() as u64).with_style(
-            ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {msg}")
-                .expect("static template"),
-        );
+        let bar = progress_bar(needed.len());
         let mut out = HashMap::with_capacity(needed.len());
         for n in &needed {
             bar.set_message(n.name.clone());
@@ -156,6 +153,14 @@ impl Checkpoint {
         bar.finish_and_clear();
         Ok(out)
     }
+}
+
+/// The bar shown while tensors load (drawn only on a terminal).
+pub(crate) fn progress_bar(tensors: usize) -> ProgressBar {
+    ProgressBar::new(tensors as u64).with_style(
+        ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {msg}")
+            .expect("static template"),
+    )
 }
 
 /// The shard files of a directory.
