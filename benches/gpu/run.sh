@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # kiln on CUDA: the kernel conformance suite, the HF-conformance tests of the model,
-# `kiln check`, and the Kimi-K2 per-layer benchmark.
+# `kiln check`, and the benchmarks (bf16 GEMM against cuBLAS, Kimi-K2 per layer).
 #
 #   benches/gpu/run.sh build   # on the CPU machine: CUDA-only binaries into .gpu/
 #   benches/gpu/run.sh run     # on the GPU machine, from the repo root: runs them,
 #                                      # logs and JSON into $OUT (or gpu-results/)
-#   benches/gpu/run.sh bench   # the per-layer benchmark alone
+#   benches/gpu/run.sh bench   # the benchmarks alone
 #
 # Built with `--no-default-features --features cuda` so the binaries need neither Vulkan
 # nor a display on the GPU machine; a separate target dir keeps the wgpu build intact.
@@ -17,6 +17,8 @@ test_exe() { # package, test target -> path of the built test executable
     | sed -n 's/.*Executable.*(\(.*\)).*/\1/p' | tail -1
 }
 bench() {
+  export LD_LIBRARY_PATH="${CUDA_HOME:-/usr/local/cuda}/lib64:${LD_LIBRARY_PATH:-}"
+  .gpu/gemm_peer "$out/gemm_peer.json" 2>&1 | tee "$out/gemm_peer.log"
   .gpu/layer_decode --backend cuda --json "$out/layer_decode.json" 2>&1 | tee "$out/layer_decode.log"
 }
 case "${1:-}" in
@@ -26,7 +28,7 @@ case "${1:-}" in
     mkdir -p .gpu
     cp "$(test_exe kiln-conformance conformance)" .gpu/conformance
     cp "$(test_exe kiln hf_conformance)" .gpu/hf_conformance
-    cp target/cuda/release/kiln target/cuda/release/layer_decode .gpu/
+    cp target/cuda/release/kiln target/cuda/release/layer_decode target/cuda/release/gemm_peer .gpu/
     strip .gpu/*
     ls -la .gpu
     ;;

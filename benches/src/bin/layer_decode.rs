@@ -52,6 +52,10 @@ struct Point {
     bytes_gb: f64,
     achieved_gbps: f64,
     tokens_per_s: f64,
+    /// Kernel launches per layer, counted by the model.
+    launches: f64,
+    /// Host time issuing one layer's kernels.
+    issue_ms: f64,
 }
 
 struct Bench {
@@ -67,19 +71,27 @@ impl BackendVisitor for Bench {
         let mut points = Vec::new();
         for &b in &self.args.batches {
             for &ctx in &self.args.contexts {
-                let ms = layer_ms(&one, &three, b, ctx, 1, self.args.reps)?;
-                points.push(point("decode", &three, b, ctx, ms, b * ctx));
-                eprintln!("decode batch {b} context {ctx}: {ms:.3} ms per layer");
+                let t = layer_timing(&one, &three, b, ctx, 1, self.args.reps)?;
+                points.push(point("decode", &three, b, ctx, t, b * ctx));
+                eprintln!("decode batch {b} context {ctx}: {:.3} ms per layer", t.ms);
             }
         }
         if self.args.prefill > 0 {
             let n = self.args.prefill;
-            let ms = layer_ms(&one, &three, 1, n, n, self.args.reps)?;
-            points.push(point("prefill", &three, 1, n, ms, n * (n + 1) / 2));
-            eprintln!("prefill {n}: {ms:.3} ms per layer");
+            let t = layer_timing(&one, &three, 1, n, n, self.args.reps)?;
+            points.push(point("prefill", &three, 1, n, t, n * (n + 1) / 2));
+            eprintln!("prefill {n}: {:.3} ms per layer", t.ms);
         }
         Ok(points)
     }
+}
+
+/// One layer's share of a step: milliseconds, launches and host issue time.
+#[derive(Clone, Copy)]
+struct LayerTiming {
+    ms: f64,
+    launches: f64,
+    issue_ms: f64,
 }
 
 fn point<R: Runtime>(
@@ -87,9 +99,10 @@ fn point<R: Runtime>(
     m: &GpuModel<R>,
     batch: usize,
     ctx: usize,
-    ms: f64,
+    t: LayerTiming,
     kv_read: usize,
 ) -> Point {
+    let ms = t.ms;
     let tokens = if kind == "prefill" { ctx } else { batch };
     let (bytes, floor) = floor_seconds(&m.config, tokens, kv_read);
     Point {
@@ -102,31 +115,38 @@ fn point<R: Runtime>(
         bytes_gb: bytes / 1e9,
         achieved_gbps: bytes / (ms * 1e-3) / 1e9,
         tokens_per_s: tokens as f64 / (ms * 1e-3),
+        launches: t.launches,
+        issue_ms: t.issue_ms,
     }
 }
 
-/// Per-layer milliseconds for `batch` requests of `context` cached tokens, `new` of them
+/// Per-layer figures for `batch` requests of `context` cached tokens, `new` of them
 /// computed in this step.
-fn layer_ms<R: Runtime>(
+fn layer_timing<R: Runtime>(
     one: &GpuModel<R>,
     three: &GpuModel<R>,
     batch: usize,
     context: usize,
     new: usize,
     reps: usize,
-) -> anyhow::Result<f64> {
-    let t1 = step_ms(one, batch, context, new, reps)?;
-    let t3 = step_ms(three, batch, context, new, reps)?;
-    Ok((t3 - t1) / 2.0)
+) -> anyhow::Result<LayerTiming> {
+    let t1 = step_timing(one, batch, context, new, reps)?;
+    let t3 = step_timing(three, batch, context, new, reps)?;
+    Ok(LayerTiming {
+        ms: (t3.ms - t1.ms) / 2.0,
+        launches: (t3.launches - t1.launches) / 2.0,
+        issue_ms: (t3.issue_ms - t1.issue_ms) / 2.0,
+    })
 }
 
-fn step_ms<R: Runtime>(
+/// Median wall time of whole steps, with the launches and host issue time of the median one.
+fn step_timing<R: Runtime>(
     m: &GpuModel<R>,
     batch: usize,
     context: usize,
     new: usize,
     reps: usize,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<LayerTiming> {
     let pages_per = context.div_ceil(PAGE);
     let pool: KvPool = m.kv_pool(batch * pages_per, PAGE, KvFormat::Bf16);
     for (i, cache) in pool.caches.iter().enumerate() {
@@ -149,14 +169,18 @@ fn step_ms<R: Runtime>(
         .collect();
     let batch = Batch::new(requests);
     m.forward(&batch, &pool).context("warm-up step")?;
-    let mut times = Vec::with_capacity(reps);
+    let mut runs = Vec::with_capacity(reps);
     for _ in 0..reps.max(1) {
         let start = Instant::now();
-        m.forward(&batch, &pool)?;
-        times.push(start.elapsed().as_secs_f64() * 1e3);
+        let out = m.step(&batch, &pool)?;
+        runs.push(LayerTiming {
+            ms: start.elapsed().as_secs_f64() * 1e3,
+            launches: out.launches as f64,
+            issue_ms: out.issue_seconds * 1e3,
+        });
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    runs.sort_by(|a, b| a.ms.total_cmp(&b.ms));
+    Ok(runs[runs.len() / 2])
 }
 
 fn main() -> anyhow::Result<()> {
@@ -165,8 +189,18 @@ fn main() -> anyhow::Result<()> {
     let json = args.json.clone();
     let points = with_backend(kind, Bench { args })??;
     println!(
-        "{:<8} {:>6} {:>8} {:>11} {:>10} {:>8} {:>9} {:>10} {:>12}",
-        "kind", "batch", "context", "layer ms", "floor ms", "x floor", "GB", "GB/s", "tokens/s"
+        "{:<8} {:>6} {:>8} {:>11} {:>10} {:>8} {:>9} {:>10} {:>12} {:>9} {:>9}",
+        "kind",
+        "batch",
+        "context",
+        "layer ms",
+        "floor ms",
+        "x floor",
+        "GB",
+        "GB/s",
+        "tokens/s",
+        "launches",
+        "issue ms"
     );
     for p in &points {
         println!(

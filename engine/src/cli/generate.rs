@@ -66,8 +66,14 @@ struct Generate<'a> {
     prompt: Vec<u32>,
 }
 
-/// Generated ids, prefill seconds, decode seconds.
-type Outcome = (Vec<u32>, f64, f64);
+/// What a generation did.
+struct Outcome {
+    ids: Vec<u32>,
+    prefill_s: f64,
+    decode_s: f64,
+    /// Kernel launches of one decode step.
+    launches: usize,
+}
 
 impl BackendVisitor for Generate<'_> {
     type Output = anyhow::Result<Outcome>;
@@ -87,10 +93,10 @@ impl BackendVisitor for Generate<'_> {
                 kv_len,
                 block_table: table[..kv_len.div_ceil(PAGE)].to_vec(),
             };
-            model.forward(&Batch::new(vec![slice]), &pool)
+            model.step(&Batch::new(vec![slice]), &pool)
         };
         let start = Instant::now();
-        let logits = step(self.prompt.clone(), self.prompt.len())?;
+        let logits = step(self.prompt.clone(), self.prompt.len())?.logits;
         let prefill_s = start.elapsed().as_secs_f64();
         let mut next = sample(
             &logits[logits.len() - vocab..],
@@ -98,16 +104,23 @@ impl BackendVisitor for Generate<'_> {
             &mut rng,
         );
         let mut out = Vec::new();
+        let mut launches = 0;
         let start = Instant::now();
         while out.len() < self.args.max_tokens {
             out.push(next);
             if self.ckpt.spec.eos_token_ids.contains(&next) || out.len() == self.args.max_tokens {
                 break;
             }
-            let logits = step(vec![next], self.prompt.len() + out.len())?;
-            next = sample(&logits, self.args.temperature, &mut rng);
+            let decoded = step(vec![next], self.prompt.len() + out.len())?;
+            launches = decoded.launches;
+            next = sample(&decoded.logits, self.args.temperature, &mut rng);
         }
-        Ok((out, prefill_s, start.elapsed().as_secs_f64()))
+        Ok(Outcome {
+            ids: out,
+            prefill_s,
+            decode_s: start.elapsed().as_secs_f64(),
+            launches,
+        })
     }
 }
 
@@ -119,7 +132,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let codec = TextCodec::from_dir(&args.model)?;
     let prompt = codec.encode(&args.prompt).map_err(anyhow::Error::msg)?;
     anyhow::ensure!(!prompt.is_empty(), "the prompt encodes to no tokens");
-    let (ids, prefill_s, decode_s) = with_backend(
+    let outcome = with_backend(
         kind,
         Generate {
             args: &args,
@@ -127,21 +140,23 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             prompt: prompt.clone(),
         },
     )??;
-    println!("{}", codec.decode(&ids).map_err(anyhow::Error::msg)?);
+    let o = outcome;
+    println!("{}", codec.decode(&o.ids).map_err(anyhow::Error::msg)?);
     if args.ids {
         let join = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
         println!("prompt ids: {}", join(&prompt));
-        println!("completion ids: {}", join(&ids));
+        println!("completion ids: {}", join(&o.ids));
     }
-    let decoded = ids.len().saturating_sub(1);
+    let decoded = o.ids.len().saturating_sub(1);
     eprintln!(
-        "prefill {} tokens in {:.3} s ({:.1} tokens/s); decode {} tokens in {:.3} s ({:.1} tokens/s)",
+        "prefill {} tokens in {:.3} s ({:.1} tokens/s); decode {} tokens in {:.3} s ({:.1} tokens/s, {} kernel launches per step)",
         prompt.len(),
-        prefill_s,
-        prompt.len() as f64 / prefill_s,
+        o.prefill_s,
+        prompt.len() as f64 / o.prefill_s,
         decoded,
-        decode_s,
-        if decode_s > 0.0 { decoded as f64 / decode_s } else { 0.0 },
+        o.decode_s,
+        if o.decode_s > 0.0 { decoded as f64 / o.decode_s } else { 0.0 },
+        o.launches,
     );
     Ok(())
 }

@@ -40,6 +40,10 @@ pub struct StepOutput {
     pub logits: Vec<f32>,
     /// `(layer, [tokens, hidden])` for each layer in [`Batch::capture`], in that order.
     pub hidden: Vec<(usize, Vec<f32>)>,
+    /// Kernel launches the step issued.
+    pub launches: usize,
+    /// Host time spent issuing the step, before waiting for its logits.
+    pub issue_seconds: f64,
 }
 
 /// The layout of a batch, checked, uploaded once per step.

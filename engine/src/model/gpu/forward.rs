@@ -10,7 +10,9 @@ use kiln_kernels::mla::{
 use kiln_kernels::moe::{combine, dispatch, gather_rows, route, Dispatch, Routing};
 use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm, rmsnorm_prefix};
 use kiln_kernels::rope::{rope_inplace, RopeLayout};
-use kiln_kernels::DeviceArray;
+use std::sync::atomic::Ordering;
+
+use kiln_kernels::{DeviceArray, KernelError};
 
 use super::batch::Plan;
 use super::{Attention, Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, QProj, StepOutput};
@@ -24,6 +26,8 @@ impl<R: Runtime> GpuModel<R> {
 
     /// [`Self::forward`], also returning the hidden states of the layers in `batch.capture`.
     pub fn step(&self, batch: &Batch, pool: &KvPool) -> Result<StepOutput, ModelError> {
+        let launches_before = self.launches.load(Ordering::Relaxed);
+        let issue_start = std::time::Instant::now();
         if pool.caches.len() != self.layers.len() {
             return Err(ModelError::Batch(format!(
                 "KV pool has {} layers, the model {}",
@@ -36,25 +40,41 @@ impl<R: Runtime> GpuModel<R> {
         let t = plan.num_tokens;
         let eps = c.rms_norm_eps as f32;
         let residual = self.scratch(t * c.hidden_size);
-        embedding(
+        self.launched(embedding(
             cl,
             &self.embed,
             c.vocab_size,
             c.hidden_size,
             &plan.tokens,
             &residual,
-        )?;
+        ))?;
         let x = self.scratch(t * c.hidden_size);
         let delta = self.scratch(t * c.hidden_size);
         let mut captured = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             if i == 0 {
-                rmsnorm(cl, &residual, t, &layer.input_norm, eps, &x)?;
+                self.launched(rmsnorm(cl, &residual, t, &layer.input_norm, eps, &x))?;
             } else {
-                add_rmsnorm(cl, &residual, &delta, t, &layer.input_norm, eps, &x)?;
+                self.launched(add_rmsnorm(
+                    cl,
+                    &residual,
+                    &delta,
+                    t,
+                    &layer.input_norm,
+                    eps,
+                    &x,
+                ))?;
             }
             self.attention(&layer.attn, &x, &plan, &pool.caches[i], &delta)?;
-            add_rmsnorm(cl, &residual, &delta, t, &layer.post_norm, eps, &x)?;
+            self.launched(add_rmsnorm(
+                cl,
+                &residual,
+                &delta,
+                t,
+                &layer.post_norm,
+                eps,
+                &x,
+            ))?;
             match &layer.ffn {
                 Ffn::Dense(mlp) => self.mlp(mlp, &x, t, &delta)?,
                 Ffn::Moe(moe) => self.moe(moe, &x, t, &delta)?,
@@ -66,9 +86,9 @@ impl<R: Runtime> GpuModel<R> {
                 captured.push((i, r.iter().zip(&d).map(|(a, b)| a + b).collect()));
             }
         }
-        add_rmsnorm(cl, &residual, &delta, t, &self.norm, eps, &x)?;
+        self.launched(add_rmsnorm(cl, &residual, &delta, t, &self.norm, eps, &x))?;
         let logits = self.scratch(t * c.vocab_size);
-        self.lm_head.apply(cl, &x, t, &logits)?;
+        self.launched(self.lm_head.apply(cl, &x, t, &logits))?;
         let hidden = batch
             .capture
             .iter()
@@ -80,10 +100,21 @@ impl<R: Runtime> GpuModel<R> {
                     .expect("captured above")
             })
             .collect();
+        // Kernels run asynchronously: everything up to here was host work issuing them
+        // (plus the reads of captured hidden states, which wait for the device).
+        let issue_seconds = issue_start.elapsed().as_secs_f64();
         Ok(StepOutput {
             logits: logits.read(cl),
             hidden,
+            launches: self.launches.load(Ordering::Relaxed) - launches_before,
+            issue_seconds,
         })
+    }
+
+    /// Counts one kernel launch (every kiln kernel function launches exactly one kernel).
+    fn launched<T>(&self, result: Result<T, KernelError>) -> Result<T, ModelError> {
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        Ok(result?)
     }
 
     /// A scratch buffer; every one in the forward pass is fully written by the kernel that
@@ -111,10 +142,10 @@ impl<R: Runtime> GpuModel<R> {
         match &a.q {
             QProj::Lora { a: qa, norm, b } => {
                 let lat = self.scratch(t * qa.n());
-                qa.apply(cl, x, t, &lat)?;
+                self.launched(qa.apply(cl, x, t, &lat))?;
                 let lat_n = self.scratch(t * qa.n());
-                rmsnorm(cl, &lat, t, norm, eps, &lat_n)?;
-                b.apply(cl, &lat_n, t, &q)?;
+                self.launched(rmsnorm(cl, &lat, t, norm, eps, &lat_n))?;
+                self.launched(b.apply(cl, &lat_n, t, &q))?;
             }
             QProj::Direct(w) => w.apply(cl, x, t, &q)?,
         }
@@ -135,23 +166,31 @@ impl<R: Runtime> GpuModel<R> {
                 self.rope_scale,
             )
         };
-        rope(&q, heads, qk, c.qk_nope_head_dim)?;
+        self.launched(rope(&q, heads, qk, c.qk_nope_head_dim))?;
         let kv_a = self.scratch(t * 576);
-        a.kv_a.apply(cl, x, t, &kv_a)?;
-        rope(&kv_a, 1, 576, 512)?;
+        self.launched(a.kv_a.apply(cl, x, t, &kv_a))?;
+        self.launched(rope(&kv_a, 1, 576, 512))?;
         let kv_rows = self.scratch(t * 576);
-        rmsnorm_prefix(cl, &kv_a, t, 576, &a.kv_a_norm, eps, &kv_rows)?;
-        write_kv(cl, &kv_rows, &plan.slots, cache)?;
+        self.launched(rmsnorm_prefix(
+            cl,
+            &kv_a,
+            t,
+            576,
+            &a.kv_a_norm,
+            eps,
+            &kv_rows,
+        ))?;
+        self.launched(write_kv(cl, &kv_rows, &plan.slots, cache))?;
 
         let q_abs = self.scratch(t * heads * 576);
-        absorb_query(cl, &q, t, &a.kv_b, self.kv_b_shape, &q_abs)?;
+        self.launched(absorb_query(cl, &q, t, &a.kv_b, self.kv_b_shape, &q_abs))?;
         let latent = self.scratch(t * heads * 512);
         let attend = if plan.meta.max_q_len <= MAX_DECODE_Q_LEN {
             mla::mla_decode
         } else {
             mla::mla_prefill
         };
-        attend(
+        self.launched(attend(
             cl,
             &q_abs,
             heads,
@@ -159,10 +198,17 @@ impl<R: Runtime> GpuModel<R> {
             &plan.meta,
             self.softmax_scale,
             &latent,
-        )?;
+        ))?;
         let values = self.scratch(t * heads * c.v_head_dim);
-        project_values(cl, &latent, t, &a.kv_b, self.kv_b_shape, &values)?;
-        a.o.apply(cl, &values, t, out)?;
+        self.launched(project_values(
+            cl,
+            &latent,
+            t,
+            &a.kv_b,
+            self.kv_b_shape,
+            &values,
+        ))?;
+        self.launched(a.o.apply(cl, &values, t, out))?;
         Ok(())
     }
 
@@ -180,10 +226,10 @@ impl<R: Runtime> GpuModel<R> {
             self.scratch(rows * inter),
             self.scratch(rows * inter),
         );
-        m.gate.apply(cl, x, rows, &g)?;
-        m.up.apply(cl, x, rows, &u)?;
-        silu_mul(cl, &g, &u, &act)?;
-        m.down.apply(cl, &act, rows, out)?;
+        self.launched(m.gate.apply(cl, x, rows, &g))?;
+        self.launched(m.up.apply(cl, x, rows, &u))?;
+        self.launched(silu_mul(cl, &g, &u, &act))?;
+        self.launched(m.down.apply(cl, &act, rows, out))?;
         Ok(())
     }
 
@@ -197,36 +243,36 @@ impl<R: Runtime> GpuModel<R> {
         let (cl, c) = (&self.client, &self.config);
         let (e, k, h) = (c.n_routed_experts, c.num_experts_per_tok, c.hidden_size);
         let logits = self.scratch(t * e);
-        m.router.apply(cl, x, t, &logits)?;
+        self.launched(m.router.apply(cl, x, t, &logits))?;
         let routing = Routing {
             experts: DeviceArray::filled(cl, t * k, 0u32),
             weights: self.scratch(t * k),
         };
-        route(cl, &logits, &m.bias, t, &self.gate, &routing)?;
+        self.launched(route(cl, &logits, &m.bias, t, &self.gate, &routing))?;
         let d = Dispatch {
             offsets: DeviceArray::uninit(cl, e + 1),
             slot: DeviceArray::uninit(cl, t * k),
             source: DeviceArray::uninit(cl, t * k),
         };
-        dispatch(cl, &routing.experts, e, k, &d)?;
+        self.launched(dispatch(cl, &routing.experts, e, k, &d))?;
         let rows = t * k;
         let xs = self.scratch(rows * h);
-        gather_rows(cl, x, h, &d.source, &xs)?;
+        self.launched(gather_rows(cl, x, h, &d.source, &xs))?;
         let inter = m.experts.gate.n();
         let (g, u, act) = (
             self.scratch(rows * inter),
             self.scratch(rows * inter),
             self.scratch(rows * inter),
         );
-        m.experts
-            .gate
-            .apply_grouped(cl, &xs, rows, &d.offsets, &g)?;
-        m.experts.up.apply_grouped(cl, &xs, rows, &d.offsets, &u)?;
-        silu_mul(cl, &g, &u, &act)?;
+        self.launched(m.experts.gate.apply_grouped(cl, &xs, rows, &d.offsets, &g))?;
+        self.launched(m.experts.up.apply_grouped(cl, &xs, rows, &d.offsets, &u))?;
+        self.launched(silu_mul(cl, &g, &u, &act))?;
         let expert_out = self.scratch(rows * h);
-        m.experts
-            .down
-            .apply_grouped(cl, &act, rows, &d.offsets, &expert_out)?;
+        self.launched(
+            m.experts
+                .down
+                .apply_grouped(cl, &act, rows, &d.offsets, &expert_out),
+        )?;
         let shared = match &m.shared {
             Some(s) => {
                 let so = self.scratch(t * h);
@@ -235,7 +281,7 @@ impl<R: Runtime> GpuModel<R> {
             }
             None => None,
         };
-        combine(
+        self.launched(combine(
             cl,
             &expert_out,
             &d.slot,
@@ -244,7 +290,7 @@ impl<R: Runtime> GpuModel<R> {
             t,
             h,
             out,
-        )?;
+        ))?;
         Ok(())
     }
 }

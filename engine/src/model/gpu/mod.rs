@@ -10,6 +10,8 @@ mod forward;
 mod synthetic;
 mod upload;
 
+use std::sync::atomic::AtomicUsize;
+
 use cubecl::prelude::*;
 use kiln_kernels::mla::{KvBShape, KvFormat, PagedKvCache};
 use kiln_kernels::moe::GateParams;
@@ -93,6 +95,8 @@ pub struct GpuModel<R: Runtime> {
     softmax_scale: f32,
     gate: GateParams,
     kv_b_shape: KvBShape,
+    /// Kernel launches issued so far (per model, for the step statistics).
+    launches: AtomicUsize,
 }
 
 impl<R: Runtime> GpuModel<R> {
@@ -193,6 +197,7 @@ impl<R: Runtime> GpuModel<R> {
                 nope: c.qk_nope_head_dim,
                 v: c.v_head_dim,
             },
+            launches: AtomicUsize::new(0),
             config: c,
             client,
         })

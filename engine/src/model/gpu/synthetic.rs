@@ -1,6 +1,8 @@
 //! Full-width models with pseudo-random weights generated on the device (no file, no host
 //! copy of the weights): routed experts in NVFP4, everything else in bf16, norms at 1.
 //! For benchmarks at the real shapes; their outputs mean nothing.
+use std::sync::atomic::AtomicUsize;
+
 use cubecl::prelude::*;
 use kiln_kernels::fill::fill_random_bits;
 use kiln_kernels::gemm::{Bf16Weights, Nvfp4Weights};
@@ -165,6 +167,7 @@ impl<R: Runtime> GpuModel<R> {
                 nope: c.qk_nope_head_dim,
                 v: c.v_head_dim,
             },
+            launches: AtomicUsize::new(0),
             config: c,
             client,
         })
