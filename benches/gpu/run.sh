@@ -43,6 +43,8 @@ case "${1:-}" in
     model=${PIPESTATUS[0]}
     .gpu/kiln check --backend cuda --json "$out/check.json" 2>&1 | tee "$out/check.log"
     check=${PIPESTATUS[0]}
+    .gpu/kiln generate --backend cuda --model tests/fixtures/hf/tiny-kimi \
+      --prompt "kiln serves coding agents" --max-tokens 32 --ids 2>&1 | tee "$out/generate.log"
     set -e
     grep -E "^test result" "$out/conformance.log" "$out/hf_conformance.log" || true
     echo "conformance exit $kernels, hf_conformance exit $model, check exit $check"
