@@ -204,7 +204,7 @@ fn main() -> anyhow::Result<()> {
     );
     for p in &points {
         println!(
-            "{:<8} {:>6} {:>8} {:>11.3} {:>10.3} {:>8.1} {:>9.2} {:>10.1} {:>12.1}",
+            "{:<8} {:>6} {:>8} {:>11.3} {:>10.3} {:>8.1} {:>9.2} {:>10.1} {:>12.1} {:>9.0} {:>9.3}",
             p.kind,
             p.batch,
             p.context,
@@ -213,7 +213,9 @@ fn main() -> anyhow::Result<()> {
             p.floor_ratio,
             p.bytes_gb,
             p.achieved_gbps,
-            p.tokens_per_s
+            p.tokens_per_s,
+            p.launches,
+            p.issue_ms
         );
     }
     if let Some(path) = json {
