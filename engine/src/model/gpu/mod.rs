@@ -82,6 +82,14 @@ struct Layer {
     ffn: Ffn,
 }
 
+/// The weights of a model on the device, before the derived state is added.
+struct Weights {
+    embed: DeviceArray<u32>,
+    layers: Vec<Layer>,
+    norm: DeviceArray<f32>,
+    lm_head: DeviceLinear,
+}
+
 /// A DeepSeek-V3 / Kimi-K2 model resident on one device.
 pub struct GpuModel<R: Runtime> {
     client: ComputeClient<R>,
@@ -172,18 +180,30 @@ impl<R: Runtime> GpuModel<R> {
             "lm_head.weight"
         };
         bar.finish_and_clear();
+        let embed = DeviceArray::upload(cl, &upload::bf16_words(&embed.data));
+        let weights = Weights {
+            embed,
+            layers,
+            norm: plain("model.norm.weight", &[h])?,
+            lm_head: linear(head_name, c.vocab_size, h)?,
+        };
+        Ok(Self::assemble(client, c, weights))
+    }
+
+    /// The model from its weights; everything else is derived from the config.
+    fn assemble(client: ComputeClient<R>, c: ModelConfig, w: Weights) -> Self {
         let freqs: Vec<f32> = inv_freq(c.qk_rope_head_dim, &c.rope)
             .iter()
             .map(|&f| f as f32)
             .collect();
-        Ok(GpuModel {
-            embed: DeviceArray::upload(cl, &upload::bf16_words(&embed.data)),
-            layers,
-            norm: plain("model.norm.weight", &[h])?,
-            lm_head: linear(head_name, c.vocab_size, h)?,
-            inv_freq: DeviceArray::upload(cl, &freqs),
+        GpuModel {
+            embed: w.embed,
+            layers: w.layers,
+            norm: w.norm,
+            lm_head: w.lm_head,
+            inv_freq: DeviceArray::upload(&client, &freqs),
             rope_scale: cos_sin_scale(&c.rope) as f32,
-            softmax_scale: softmax_scale(qk, &c.rope) as f32,
+            softmax_scale: softmax_scale(c.qk_nope_head_dim + c.qk_rope_head_dim, &c.rope) as f32,
             gate: GateParams {
                 n_routed_experts: c.n_routed_experts,
                 num_experts_per_tok: c.num_experts_per_tok,
@@ -193,14 +213,14 @@ impl<R: Runtime> GpuModel<R> {
                 routed_scaling_factor: c.routed_scaling_factor as f32,
             },
             kv_b_shape: KvBShape {
-                heads,
+                heads: c.num_attention_heads,
                 nope: c.qk_nope_head_dim,
                 v: c.v_head_dim,
             },
             launches: AtomicUsize::new(0),
             config: c,
             client,
-        })
+        }
     }
 
     /// A KV pool for this model: `num_pages` pages of `page_size` tokens per layer.

@@ -1,18 +1,13 @@
 //! Full-width models with pseudo-random weights generated on the device (no file, no host
 //! copy of the weights): routed experts in NVFP4, everything else in bf16, norms at 1.
 //! For benchmarks at the real shapes; their outputs mean nothing.
-use std::sync::atomic::AtomicUsize;
-
 use cubecl::prelude::*;
 use kiln_kernels::fill::fill_random_bits;
 use kiln_kernels::gemm::{Bf16Weights, Nvfp4Weights};
-use kiln_kernels::mla::KvBShape;
-use kiln_kernels::moe::GateParams;
 use kiln_kernels::DeviceArray;
 use kiln_reference::model::ModelConfig;
-use kiln_reference::rope::{cos_sin_scale, inv_freq, softmax_scale};
 
-use super::{Attention, DeviceLinear, Ffn, GpuModel, Layer, Mlp, ModelError, Moe, QProj};
+use super::{Attention, DeviceLinear, Ffn, GpuModel, Layer, Mlp, ModelError, Moe, QProj, Weights};
 
 /// bf16 pairs with magnitudes in [2^-7, 2^-6) and random signs and mantissas.
 const BF16_AND: u32 = 0x807f_807f;
@@ -145,32 +140,13 @@ impl<R: Runtime> GpuModel<R> {
                 ffn,
             });
         }
-        let freqs: Vec<f32> = inv_freq(64, &c.rope).iter().map(|&x| x as f32).collect();
-        Ok(GpuModel {
+        let weights = Weights {
             embed: f.words(c.vocab_size * h / 2, BF16_AND, BF16_OR)?,
             layers,
             norm: f.ones(h),
             lm_head: f.bf16(1, c.vocab_size, h)?,
-            inv_freq: DeviceArray::upload(&client, &freqs),
-            rope_scale: cos_sin_scale(&c.rope) as f32,
-            softmax_scale: softmax_scale(qk, &c.rope) as f32,
-            gate: GateParams {
-                n_routed_experts: c.n_routed_experts,
-                num_experts_per_tok: c.num_experts_per_tok,
-                n_group: c.n_group,
-                topk_group: c.topk_group,
-                norm_topk_prob: c.norm_topk_prob,
-                routed_scaling_factor: c.routed_scaling_factor as f32,
-            },
-            kv_b_shape: KvBShape {
-                heads,
-                nope: c.qk_nope_head_dim,
-                v: c.v_head_dim,
-            },
-            launches: AtomicUsize::new(0),
-            config: c,
-            client,
-        })
+        };
+        Ok(Self::assemble(client, c, weights))
     }
 
     /// The device client the model runs on.
