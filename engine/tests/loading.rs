@@ -214,3 +214,28 @@ fn kimi_k25_reads_the_nested_text_config() {
         QuantMethod::CompressedTensors("pack-quantized".into())
     );
 }
+
+#[test]
+fn the_tokenizer_and_chat_template_come_from_the_directory() {
+    use kiln::model::tokenizer::TextCodec;
+    let fixture =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf/tiny-kimi");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture.join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    let template = "{% for m in messages %}<|im_user|>{{ m.content }}<|im_end|>{% endfor %}";
+    let config = serde_json::json!({ "chat_template": template });
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let codec = TextCodec::from_dir(dir.path()).unwrap();
+    assert_eq!(codec.chat_template.as_deref(), Some(template));
+    let ids = codec.encode("kiln serves coding agents").unwrap();
+    assert_eq!(codec.decode(&ids).unwrap(), "kiln serves coding agents");
+    std::fs::remove_file(dir.path().join("tokenizer.json")).unwrap();
+    let err = TextCodec::from_dir(dir.path())
+        .err()
+        .expect("no tokenizer.json");
+    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+}
