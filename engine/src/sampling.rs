@@ -38,6 +38,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kiln_reference::stats::{chi_square, critical_value_p001};
 
     #[test]
     fn zero_temperature_is_greedy_with_ties_to_the_lower_id() {
@@ -53,8 +54,11 @@ mod tests {
         for _ in 0..40_000 {
             counts[sample(&logits, 1.0, &mut rng) as usize] += 1;
         }
-        let p2 = counts[2] as f64 / 40_000.0;
-        assert!((p2 - 0.5).abs() < 0.01, "{counts:?}");
+        let fit = chi_square(&counts, &[0.25, 0.25, 0.5]);
+        assert!(
+            fit.statistic < critical_value_p001(fit.dof),
+            "{counts:?}: {fit:?}"
+        );
     }
 
     #[test]

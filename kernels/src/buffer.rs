@@ -72,6 +72,23 @@ impl<T: CubeElement> DeviceArray<T> {
     }
 }
 
+/// Checks that element (or byte) indices up to `count` fit the kernels' 32-bit indexing.
+pub(crate) fn check_index_space(
+    what: &'static str,
+    count: usize,
+) -> Result<(), crate::KernelError> {
+    if count <= u32::MAX as usize {
+        Ok(())
+    } else {
+        Err(crate::KernelError::Range {
+            what,
+            value: count,
+            min: 0,
+            max: u32::MAX as usize,
+        })
+    }
+}
+
 /// Checks that `array` holds exactly `expected` elements.
 pub(crate) fn check_len<T>(
     what: &'static str,

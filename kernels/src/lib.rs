@@ -1,8 +1,8 @@
 //! kiln's GPU kernels, written once in CubeCL and generic over the runtime (wgpu, CUDA).
 //!
-//! Three families, each in its own module with its cube kernel, compile-time config, public
-//! launch (validating every input and answering with a typed [`KernelError`]) and an
-//! `_unchecked` launcher that trusts its input:
+//! Each kernel lives in its own module with its cube kernel, compile-time config, public
+//! launch (validating every input and answering with a typed [`KernelError`]) and, where a
+//! caller needs one, an `_unchecked` launcher that trusts its input:
 //! - [`gemm`]: `C = A x W^T` with `W` in NVFP4 (dense and grouped for MoE) or bf16;
 //! - [`mla`]: MLA attention in the absorbed (MQA) form over a paged KV cache, decode and
 //!   prefill/extend, with bf16 or FlashMLA-layout fp8 KV;

@@ -217,13 +217,13 @@ fn architecture(c: &RawConfig) -> Result<ModelConfig, String> {
         qk_rope_head_dim: need(c.qk_rope_head_dim, "qk_rope_head_dim")?,
         v_head_dim: need(c.v_head_dim, "v_head_dim")?,
         n_routed_experts: need(c.n_routed_experts, "n_routed_experts")?,
-        n_shared_experts: c.n_shared_experts.unwrap_or(0),
+        n_shared_experts: need(c.n_shared_experts, "n_shared_experts")?,
         num_experts_per_tok: need(c.num_experts_per_tok, "num_experts_per_tok")?,
-        n_group: c.n_group.unwrap_or(1),
-        topk_group: c.topk_group.unwrap_or(1),
-        norm_topk_prob: c.norm_topk_prob.unwrap_or(true),
-        routed_scaling_factor: c.routed_scaling_factor.unwrap_or(1.0),
-        first_k_dense_replace: c.first_k_dense_replace.unwrap_or(0),
+        n_group: need(c.n_group, "n_group")?,
+        topk_group: need(c.topk_group, "topk_group")?,
+        norm_topk_prob: need(c.norm_topk_prob, "norm_topk_prob")?,
+        routed_scaling_factor: need(c.routed_scaling_factor, "routed_scaling_factor")?,
+        first_k_dense_replace: need(c.first_k_dense_replace, "first_k_dense_replace")?,
         rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
         rope,
         tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
@@ -246,6 +246,9 @@ fn plain_rope(c: &RawConfig, rope_theta: f64) -> YarnConfig {
 }
 
 fn check_consistency(c: &ModelConfig) -> Result<(), String> {
+    if c.n_group == 0 {
+        return Err("n_group must be at least 1".into());
+    }
     if c.n_routed_experts % c.n_group != 0 {
         return Err(format!(
             "n_routed_experts {} is not a multiple of n_group {}",

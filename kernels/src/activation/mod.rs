@@ -3,14 +3,14 @@
 //! takes gate and up side by side in one row).
 use cubecl::prelude::*;
 
-use crate::buffer::check_len;
+use crate::buffer::{check_index_space, check_len};
 use crate::{DeviceArray, KernelError};
 
 const UNITS: u32 = 256;
 
 #[cube(launch_unchecked)]
 fn silu_mul_kernel(gate: &Array<f32>, up: &Array<f32>, out: &mut Array<f32>) {
-    let i = ABSOLUTE_POS;
+    let i = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * CUBE_DIM_X + UNIT_POS_X) as usize;
     if i < out.len() {
         let g = gate[i];
         out[i] = g / (1.0 + (-g).exp()) * up[i];
@@ -29,12 +29,14 @@ pub fn silu_mul<R: Runtime>(
     if gate.is_empty() {
         return Ok(());
     }
+    check_index_space("elements", gate.len())?;
     let cubes = (gate.len() as u32).div_ceil(UNITS);
+    let x = cubes.min(client.properties().hardware.max_cube_count.0);
     // SAFETY: all three buffers hold `gate.len()` elements.
     unsafe {
         silu_mul_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(cubes, 1, 1),
+            CubeCount::Static(x, cubes.div_ceil(x), 1),
             CubeDim::new_1d(UNITS),
             gate.arg(),
             up.arg(),

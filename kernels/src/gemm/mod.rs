@@ -17,7 +17,7 @@ mod kernel;
 
 use cubecl::prelude::*;
 
-use crate::buffer::check_len;
+use crate::buffer::{check_index_space, check_len};
 use crate::{DeviceArray, KernelError};
 
 /// Elements per NVFP4 scale block along K.
@@ -81,6 +81,8 @@ impl Nvfp4Weights {
             return Err(range_error("experts", 0));
         }
         let elems = self.experts * self.n * self.k;
+        // Scales are addressed by byte, codes by word.
+        check_index_space("NVFP4 scale bytes", elems / BLOCK)?;
         check_len("NVFP4 packed codes (u32 words)", &self.packed, elems / 8)?;
         check_len(
             "NVFP4 block scales (u32 words)",
@@ -107,6 +109,8 @@ impl Bf16Weights {
         if self.experts == 0 {
             return Err(range_error("experts", 0));
         }
+        // bf16 weights are addressed by element.
+        check_index_space("bf16 weight elements", self.experts * self.n * self.k)?;
         check_len(
             "bf16 weights (u32 words)",
             &self.data,
@@ -208,6 +212,8 @@ fn validate<R: Runtime, F: Float + CubeElement>(
             device: R::name(client).to_string(),
         });
     }
+    check_index_space("output elements (M x N)", m * n)?;
+    check_index_space("activation elements (M x K)", m * k)?;
     let max_m = props.hardware.max_cube_count.0 as usize;
     if m == 0 || m > max_m {
         return Err(KernelError::Range {

@@ -11,7 +11,7 @@
 use cubecl::prelude::*;
 
 use super::{KvFormat, PagedKvCache, KV_DIM};
-use crate::buffer::check_len;
+use crate::buffer::{check_index_space, check_len};
 use crate::{DeviceArray, KernelError};
 
 /// f32 -> bf16 bits, round to nearest even (inputs are finite).
@@ -38,22 +38,20 @@ fn e4m3_magnitude(mag: f32) -> u32 {
 #[cube(launch_unchecked)]
 fn write_f32_kernel(kv: &Array<f32>, slots: &Array<u32>, cache: &mut Array<u32>) {
     let t = CUBE_POS_X as usize;
-    let d = UNIT_POS_X as usize;
-    if d < 576 {
-        let at = slots[t] as usize * 576 + d;
-        cache[at] = u32::reinterpret(kv[t * 576 + d]);
+    let base = slots[t] as usize * 576;
+    for d in range_stepped(UNIT_POS_X as usize, 576, 128) {
+        cache[base + d] = u32::reinterpret(kv[t * 576 + d]);
     }
 }
 
 #[cube(launch_unchecked)]
 fn write_bf16_kernel(kv: &Array<f32>, slots: &Array<u32>, cache: &mut Array<u32>) {
     let t = CUBE_POS_X as usize;
-    let w = UNIT_POS_X as usize;
-    if w < 288 {
+    let base = slots[t] as usize * 288;
+    for w in range_stepped(UNIT_POS_X as usize, 288, 128) {
         let lo = bf16_bits(kv[t * 576 + 2 * w]);
         let hi = bf16_bits(kv[t * 576 + 2 * w + 1]);
-        let at = slots[t] as usize * 288 + w;
-        cache[at] = lo | (hi << 16);
+        cache[base + w] = lo | (hi << 16);
     }
 }
 
@@ -108,6 +106,8 @@ pub fn write_kv<R: Runtime>(
 ) -> Result<(), KernelError> {
     let tokens = slots.len();
     check_len("KV rows", kv, tokens * KV_DIM)?;
+    // The fp8 layout is addressed by byte.
+    check_index_space("KV cache bytes", cache.data.len() * 4)?;
     let rows = cache.num_pages * cache.page_size;
     check_len(
         "KV cache (u32 words)",
@@ -133,7 +133,7 @@ pub fn write_kv<R: Runtime>(
             KvFormat::F32 => write_f32_kernel::launch_unchecked::<R>(
                 client,
                 count,
-                CubeDim::new_1d(576),
+                CubeDim::new_1d(128),
                 kv.arg(),
                 slots.arg(),
                 cache.data.arg(),
@@ -141,7 +141,7 @@ pub fn write_kv<R: Runtime>(
             KvFormat::Bf16 => write_bf16_kernel::launch_unchecked::<R>(
                 client,
                 count,
-                CubeDim::new_1d(320),
+                CubeDim::new_1d(128),
                 kv.arg(),
                 slots.arg(),
                 cache.data.arg(),

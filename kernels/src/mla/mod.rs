@@ -25,7 +25,7 @@ use cubecl::prelude::*;
 pub use absorb::{absorb_query, project_values, KvBShape};
 pub use cache_write::write_kv;
 
-use crate::buffer::check_len;
+use crate::buffer::{check_index_space, check_len};
 use crate::{DeviceArray, KernelError};
 
 /// Elements of a key row: 512 latent + 64 rope.
@@ -165,6 +165,9 @@ fn validate<R: Runtime>(
         &meta.block_table,
         meta.batch * meta.max_blocks,
     )?;
+    // The fp8 layout is addressed by byte.
+    check_index_space("KV cache bytes", kv.data.len() * 4)?;
+    check_index_space("query elements", meta.num_tokens * heads * KV_DIM)?;
     check_len("queries", q, meta.num_tokens * heads * KV_DIM)?;
     check_len("output", out, meta.num_tokens * heads * V_DIM)
 }

@@ -8,7 +8,7 @@
 //! the sum of squares (no subgroup operations, so it runs on llvmpipe too).
 use cubecl::prelude::*;
 
-use crate::buffer::check_len;
+use crate::buffer::{check_index_space, check_len};
 use crate::{DeviceArray, KernelError};
 
 const UNITS: u32 = 128;
@@ -73,8 +73,23 @@ fn validate(
             max: stride,
         });
     }
+    check_index_space("row elements", rows * stride)?;
     check_len("input rows", x, rows * stride)?;
     check_len("output rows", out, rows * stride)
+}
+
+/// One cube per row: the grid's first dimension bounds the rows.
+fn check_rows<R: Runtime>(client: &ComputeClient<R>, rows: usize) -> Result<(), KernelError> {
+    let max = client.properties().hardware.max_cube_count.0 as usize;
+    if rows > max {
+        return Err(KernelError::Range {
+            what: "rows",
+            value: rows,
+            min: 1,
+            max,
+        });
+    }
+    Ok(())
 }
 
 /// `out = rmsnorm(x) * weight` for `rows` rows of `weight.len()` columns.
@@ -101,6 +116,7 @@ pub fn rmsnorm_prefix<R: Runtime>(
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
     validate(x, rows, stride, weight, out)?;
+    check_rows(client, rows)?;
     // SAFETY: validated; without the fused add the delta slot is never read (bound to the
     // weights, since one buffer may not be bound writable and read-only at once).
     unsafe { launch(client, x, weight, rows, stride, weight, eps, out, false) };
@@ -118,6 +134,7 @@ pub fn add_rmsnorm<R: Runtime>(
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
     validate(residual, rows, weight.len(), weight, out)?;
+    check_rows(client, rows)?;
     check_len("delta rows", delta, rows * weight.len())?;
     // SAFETY: validated above.
     unsafe {

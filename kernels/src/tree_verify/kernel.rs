@@ -28,7 +28,6 @@ pub fn verify_greedy_kernel(
             }
         }
         matched[unit] = hit;
-        accepted[base + unit] = -1;
     }
     sync_cube();
     if unit == 0 {
@@ -42,6 +41,11 @@ pub fn verify_greedy_kernel(
                 len += 1;
                 cur = c;
             }
+        }
+        // The rest of the row is padding (written by the same unit as the path, so no
+        // ordering across units is needed).
+        for i in len..n {
+            accepted[base + i] = -1;
         }
         accept_len[b] = len as u32;
         bonus[b] = target_argmax[base + cur];
@@ -71,9 +75,6 @@ pub fn verify_stochastic_kernel(
     let base = b * n;
     let res = b * v;
     let mut partials = SharedMemory::<f32>::new(units as usize);
-    for i in range_stepped(unit, n, units as usize) {
-        accepted[base + i] = -1;
-    }
 
     let mut cur = 0usize;
     let mut len = 0usize;
@@ -109,7 +110,9 @@ pub fn verify_stochastic_kernel(
                         draft_probs[q_row + t],
                     );
                 }
-                sync_cube();
+                // Every unit reads any residual entry next: order the global writes
+                // (workgroupBarrier alone does not on wgpu).
+                sync_storage();
                 fresh = false;
             }
         }
@@ -161,6 +164,9 @@ pub fn verify_stochastic_kernel(
                 }
             }
             picked = last_positive;
+        }
+        for i in len..n {
+            accepted[base + i] = -1;
         }
         accept_len[b] = len as u32;
         bonus[b] = picked as u32;

@@ -98,7 +98,8 @@ pub fn verify_stochastic<R: Runtime>(
     check_len("target probabilities", target_probs, rows * vocab)?;
     check_len("draft probabilities", draft_probs, rows * vocab)?;
     check_len("uniforms", uniforms, trees.batch * (trees.nodes + 1))?;
-    let residual = DeviceArray::<f32>::filled(client, trees.batch * vocab, 0.0);
+    // Scratch: the kernel writes each residual entry before reading it.
+    let residual = DeviceArray::<f32>::uninit(client, trees.batch * vocab);
     // SAFETY: validated above; parents are trusted to satisfy parents[i] < i.
     unsafe {
         kernel::verify_stochastic_kernel::launch_unchecked::<R>(

@@ -147,7 +147,7 @@ impl<R: Runtime> GpuModel<R> {
                 self.launched(rmsnorm(cl, &lat, t, norm, eps, &lat_n))?;
                 self.launched(b.apply(cl, &lat_n, t, &q))?;
             }
-            QProj::Direct(w) => w.apply(cl, x, t, &q)?,
+            QProj::Direct(w) => self.launched(w.apply(cl, x, t, &q))?,
         }
         let rope = |buf: &DeviceArray<f32>, rows_per_token, row_stride, offset| {
             let layout = RopeLayout {
@@ -245,7 +245,7 @@ impl<R: Runtime> GpuModel<R> {
         let logits = self.scratch(t * e);
         self.launched(m.router.apply(cl, x, t, &logits))?;
         let routing = Routing {
-            experts: DeviceArray::filled(cl, t * k, 0u32),
+            experts: DeviceArray::uninit(cl, t * k),
             weights: self.scratch(t * k),
         };
         self.launched(route(cl, &logits, &m.bias, t, &self.gate, &routing))?;

@@ -179,7 +179,6 @@ impl<R: Runtime> GpuModel<R> {
         } else {
             "lm_head.weight"
         };
-        bar.finish_and_clear();
         let embed = DeviceArray::upload(cl, &upload::bf16_words(&embed.data));
         let weights = Weights {
             embed,
@@ -187,6 +186,7 @@ impl<R: Runtime> GpuModel<R> {
             norm: plain("model.norm.weight", &[h])?,
             lm_head: linear(head_name, c.vocab_size, h)?,
         };
+        bar.finish_and_clear();
         Ok(Self::assemble(client, c, weights))
     }
 
@@ -228,7 +228,8 @@ impl<R: Runtime> GpuModel<R> {
         let words = num_pages * page_size * format.words_per_row();
         let caches = (0..self.config.num_hidden_layers)
             .map(|_| PagedKvCache {
-                data: DeviceArray::filled(&self.client, words, 0u32),
+                // Only rows the step itself wrote are ever read.
+                data: DeviceArray::uninit(&self.client, words),
                 format,
                 page_size,
                 num_pages,
