@@ -25,6 +25,7 @@ pub mod formats;
 pub mod gemm;
 pub mod mla;
 pub mod moe;
+mod reduce;
 pub mod rmsnorm;
 pub mod rope;
 pub mod tree_verify;

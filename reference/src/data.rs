@@ -77,6 +77,13 @@ impl Rng {
         }
     }
 
+    /// Shuffles `items` in place (Fisher-Yates): every permutation equally likely.
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            items.swap(i, self.below(i + 1));
+        }
+    }
+
     /// Standard normal (Box-Muller; one of the pair is discarded for simplicity).
     pub fn normal(&mut self) -> f64 {
         // 1 - uniform() is in (0, 1], so the logarithm is finite.

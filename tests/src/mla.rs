@@ -57,9 +57,7 @@ fn assign_pages(rng: &mut Rng, kv_lens: &[usize], page_size: usize) -> (Vec<Vec<
     let needed: Vec<usize> = kv_lens.iter().map(|l| l.div_ceil(page_size)).collect();
     let num_pages = needed.iter().sum::<usize>() + kv_lens.len() + 1;
     let mut pool: Vec<u32> = (0..num_pages as u32).collect();
-    for i in (1..pool.len()).rev() {
-        pool.swap(i, rng.below(i + 1));
-    }
+    rng.shuffle(&mut pool);
     let mut next = 0;
     let tables = needed
         .iter()

@@ -9,6 +9,7 @@
 use cubecl::prelude::*;
 
 use crate::buffer::{check_index_space, check_len};
+use crate::reduce::cube_sum;
 use crate::{DeviceArray, KernelError};
 
 const UNITS: u32 = 128;
@@ -38,17 +39,8 @@ fn rmsnorm_kernel(
         }
         sum += v * v;
     }
-    partials[unit] = sum;
-    sync_cube();
-    let levels = comptime!(UNITS.trailing_zeros());
-    for level in 0..levels {
-        let stride = (UNITS as usize) >> (level + 1) as usize;
-        if unit < stride {
-            partials[unit] += partials[unit + stride];
-        }
-        sync_cube();
-    }
-    let inv = 1.0 / (partials[0] / f32::cast_from(cols) + eps).sqrt();
+    let total = cube_sum(sum, &mut partials, unit, UNITS);
+    let inv = 1.0 / (total / f32::cast_from(cols) + eps).sqrt();
     for c in range_stepped(unit, n, UNITS as usize) {
         out[base + c] = residual[base + c] * inv * weight[c];
     }

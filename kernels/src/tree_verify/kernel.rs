@@ -1,6 +1,8 @@
 //! The cube kernels: one cube per request.
 use cubecl::prelude::*;
 
+use crate::reduce::cube_sum;
+
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn verify_greedy_kernel(
@@ -171,27 +173,4 @@ pub fn verify_stochastic_kernel(
         accept_len[b] = len as u32;
         bonus[b] = picked as u32;
     }
-}
-
-/// Sum of `value` over the cube's units (tree reduction in shared memory).
-#[cube]
-fn cube_sum(
-    value: f32,
-    partials: &mut SharedMemory<f32>,
-    unit: usize,
-    #[comptime] units: u32,
-) -> f32 {
-    partials[unit] = value;
-    sync_cube();
-    let levels = comptime!(units.trailing_zeros());
-    for level in 0..levels {
-        let stride = (units as usize) >> (level + 1) as usize;
-        if unit < stride {
-            partials[unit] += partials[unit + stride];
-        }
-        sync_cube();
-    }
-    let total = partials[0];
-    sync_cube();
-    total
 }

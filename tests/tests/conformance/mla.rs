@@ -159,9 +159,7 @@ fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
             let rows = tokens + spare;
             let words = format.words_per_row();
             let mut order: Vec<u32> = (0..rows as u32).collect();
-            for i in (1..order.len()).rev() {
-                order.swap(i, rng.below(i + 1));
-            }
+            rng.shuffle(&mut order);
             let slots = &order[..tokens];
             let mut kv = normal_with_outliers(&mut rng, tokens * 576, 1.0);
             kv[..64].iter_mut().for_each(|v| *v *= 1e-4); // a tile deep in the subnormal range

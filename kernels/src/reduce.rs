@@ -1,0 +1,28 @@
+//! Reductions across the units of a cube through shared memory (no subgroup operations, so
+//! they run on llvmpipe too).
+use cubecl::prelude::*;
+
+/// Sum of `value` over the cube's units (tree reduction in shared memory).
+/// `units` must be a power of two; every unit gets the total. Ends with a barrier, so
+/// `partials` may be reused at once.
+#[cube]
+pub fn cube_sum(
+    value: f32,
+    partials: &mut SharedMemory<f32>,
+    unit: usize,
+    #[comptime] units: u32,
+) -> f32 {
+    partials[unit] = value;
+    sync_cube();
+    let levels = comptime!(units.trailing_zeros());
+    for level in 0..levels {
+        let stride = (units as usize) >> (level + 1) as usize;
+        if unit < stride {
+            partials[unit] += partials[unit + stride];
+        }
+        sync_cube();
+    }
+    let total = partials[0];
+    sync_cube();
+    total
+}
