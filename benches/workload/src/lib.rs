@@ -1,0 +1,24 @@
+//! Coding-agent workloads for benchmarking LLM servers (`kiln bench`), without I/O.
+//!
+//! - [`session`]: seeded closed-loop sessions over a shared system prompt, with
+//!   heavy-tailed inputs and outputs, tool and user think times and tree-shaped sessions
+//!   ([`SessionGenerator`] draws [`Session`]s from [`WorkloadParams`]).
+//! - [`tokens`]: token ids (and text) for those sessions, exact where prefixes are shared.
+//! - [`trace`]: Mooncake JSONL traces turned into token ids that keep their block sharing.
+//! - [`metrics`]: per-request records, the summary of one concurrency point, the report.
+//! - [`plot`] (feature `plot`): the Pareto chart of a sweep, SVG and PNG.
+//!
+//! The HTTP driver lives in the `kiln` binary (`kiln bench`); the router's simulator uses
+//! the same sessions. The workload follows the seed's description of agent traffic
+//! (~100k tokens in, ~500 out per request) and the shape of SGLang's `bench_serving`
+//! multi-turn and Mooncake-replay modes.
+pub mod dist;
+pub mod error;
+pub mod params;
+pub mod session;
+pub mod tokens;
+
+pub use dist::Dist;
+pub use error::WorkloadError;
+pub use params::{TokenRange, WorkloadParams};
+pub use session::{Request, Session, SessionGenerator, Turn, TurnKind};
