@@ -17,6 +17,7 @@ pub mod error;
 pub mod params;
 pub mod session;
 pub mod tokens;
+pub mod trace;
 
 pub use dist::Dist;
 pub use error::WorkloadError;
