@@ -6,7 +6,11 @@ trainer on kiln's README as it is when run, so the committed files are the artif
 bos/eos specials, then the 256 byte tokens, then merges) and saves it next to each
 fixture's config.json.
 
-Usage: python3 tools/tiny_tokenizer.py tests/fixtures/hf/tiny-kimi [more dirs...]
+With `--kimi-chat`, the special tokens are Kimi's chat-format tokens instead (ids 0..12,
+in the order of `KIMI_SPECIALS`) and the vocabulary has 512 tokens: this is the tokenizer of
+kiln's embedded default model (engine/assets/default-model/tokenizer.json).
+
+Usage: python3 tools/tiny_tokenizer.py [--kimi-chat] tests/fixtures/hf/tiny-kimi [more dirs...]
 Made with tokenizers 0.23.3 (Python 3.11).
 """
 import pathlib
@@ -15,15 +19,21 @@ import sys
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 VOCAB = 384
+FIXTURE_SPECIALS = ["<|bos|>", "<|eos|>"]
+KIMI_SPECIALS = [
+    "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+    "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "[PAD]",
+]
 
 
-def build(corpus: str) -> Tokenizer:
+def build(corpus: str, vocab: int, specials: list) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<|bos|>", "<|eos|>"],
+        vocab_size=vocab,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -33,10 +43,13 @@ def build(corpus: str) -> Tokenizer:
 
 def main() -> None:
     root = pathlib.Path(__file__).resolve().parent.parent
-    tok = build((root / "README.md").read_text())
-    assert tok.get_vocab_size() <= VOCAB, tok.get_vocab_size()
-    assert tok.token_to_id("<|bos|>") == 0 and tok.token_to_id("<|eos|>") == 1
-    for d in sys.argv[1:]:
+    args = sys.argv[1:]
+    kimi = "--kimi-chat" in args
+    specials, vocab = (KIMI_SPECIALS, 512) if kimi else (FIXTURE_SPECIALS, VOCAB)
+    tok = build((root / "README.md").read_text(), vocab, specials)
+    assert tok.get_vocab_size() <= vocab, tok.get_vocab_size()
+    assert all(tok.token_to_id(s) == i for i, s in enumerate(specials))
+    for d in (a for a in args if a != "--kimi-chat"):
         tok.save(str(pathlib.Path(d) / "tokenizer.json"))
         print(f"wrote {d}/tokenizer.json ({tok.get_vocab_size()} tokens)")
 

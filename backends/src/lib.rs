@@ -5,11 +5,13 @@
 //! Code that runs kernels is generic over `cubecl::Runtime`; [`with_backend`] turns a
 //! run-time [`BackendKind`] into a call of such code with the right runtime and client.
 mod kind;
+mod memory;
 mod report;
 mod runtimes;
 mod testgen;
 
 pub use kind::{BackendError, BackendKind};
+pub use memory::free_memory;
 pub use report::DeviceReport;
 #[cfg(feature = "cuda")]
 pub use runtimes::Cuda;

@@ -101,6 +101,7 @@ impl BackendVisitor for Generate<'_> {
         let mut next = sample(
             &logits[logits.len() - vocab..],
             self.args.temperature,
+            1.0,
             &mut rng,
         );
         let mut out = Vec::new();
@@ -113,7 +114,7 @@ impl BackendVisitor for Generate<'_> {
             }
             let decoded = step(vec![next], self.prompt.len() + out.len())?;
             launches = decoded.launches;
-            next = sample(&decoded.logits, self.args.temperature, &mut rng);
+            next = sample(&decoded.logits, self.args.temperature, 1.0, &mut rng);
         }
         Ok(Outcome {
             ids: out,

@@ -31,6 +31,9 @@ pub struct ModelSpec {
     pub quant: QuantMethod,
     /// Tokens that end a generation (`eos_token_id`, a number or a list).
     pub eos_token_ids: Vec<u32>,
+    /// Longest context: `max_position_embeddings`, else YaRN's factor times the original
+    /// length.
+    pub context_len: usize,
 }
 
 #[derive(Deserialize)]
@@ -144,9 +147,14 @@ impl ModelSpec {
             .map(eos_list)
             .or(outer_eos)
             .unwrap_or_default();
+        let arch = architecture(&text_cfg)?;
+        let context_len = text_cfg.max_position_embeddings.unwrap_or(
+            (arch.rope.factor * arch.rope.original_max_position_embeddings as f64) as usize,
+        );
         Ok(ModelSpec {
+            context_len,
             model_type: outer_type,
-            arch: architecture(&text_cfg)?,
+            arch,
             quant,
             eos_token_ids,
         })

@@ -2,6 +2,7 @@
 //! weights its safetensors files hold ([`weights`]), validated against each other, and the
 //! model on the device ([`gpu`]), and its tokenizer ([`tokenizer`]).
 pub mod config;
+pub mod default_model;
 pub mod gpu;
 pub mod tokenizer;
 pub mod weights;

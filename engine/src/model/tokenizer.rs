@@ -7,8 +7,11 @@ use std::path::{Path, PathBuf};
 use super::LoadError;
 
 /// A model directory's tokenizer.
+#[derive(Clone)]
 pub struct TextCodec {
     tokenizer: tokenizers::Tokenizer,
+    /// The same tokenizer with special-token strings encoded as plain text (chat content).
+    plain: tokenizers::Tokenizer,
     /// `chat_template` from `tokenizer_config.json`, if any.
     pub chat_template: Option<String>,
 }
@@ -30,7 +33,11 @@ impl TextCodec {
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "no tokenizer.json"),
             });
         }
-        let tokenizer = tokenizers::Tokenizer::from_file(&path).map_err(|e| tok_error(&path, e))?;
+        let json = std::fs::read_to_string(&path).map_err(|source| LoadError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let tokenizer = Self::parse(&json).map_err(|e| tok_error(&path, e))?;
         let config: PathBuf = dir.join("tokenizer_config.json");
         let chat_template = std::fs::read_to_string(&config)
             .ok()
@@ -40,13 +47,51 @@ impl TextCodec {
                     .and_then(|t| t.as_str())
                     .map(str::to_string)
             });
-        Ok(TextCodec {
-            tokenizer,
-            chat_template,
-        })
+        Ok(Self::from_tokenizer(tokenizer, chat_template))
     }
 
-    /// Token ids of `text` (no special tokens added).
+    /// A tokenizer from the text of a `tokenizer.json`.
+    pub fn parse(json: &str) -> Result<tokenizers::Tokenizer, String> {
+        json.parse::<tokenizers::Tokenizer>()
+            .map_err(|e| e.to_string())
+    }
+
+    /// The codec of a tokenizer.
+    pub fn from_tokenizer(tokenizer: tokenizers::Tokenizer, chat_template: Option<String>) -> Self {
+        let mut plain = tokenizer.clone();
+        plain.set_encode_special_tokens(true);
+        TextCodec {
+            tokenizer,
+            plain,
+            chat_template,
+        }
+    }
+
+    /// The id of a (special) token, if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(token)
+    }
+
+    /// Tokens in the vocabulary, special tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
+    /// Token ids of `text` with special-token strings treated as text.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.plain
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Text of `ids` with special tokens written out.
+    pub fn decode_with_special(&self, ids: &[u32]) -> Result<String, String> {
+        self.tokenizer.decode(ids, false).map_err(|e| e.to_string())
+    }
+
+    /// Token ids of `text` (no special tokens added; special-token strings in it become
+    /// their tokens).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
         self.tokenizer
             .encode(text, false)

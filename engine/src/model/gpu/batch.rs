@@ -24,10 +24,24 @@ pub struct RequestSlice {
     pub block_table: Vec<u32>,
 }
 
+/// Which tokens of a step get logits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogitRows {
+    /// Every token (prefill checks, draft verification).
+    #[default]
+    All,
+    /// Only each request's last token: what serving samples from. lm_head then reads one
+    /// row per request instead of one per token (a 100k-token prefill chunk at Kimi's
+    /// vocabulary would otherwise produce 65 GB of logits).
+    Last,
+}
+
 /// The requests of one forward step, in the order their tokens are laid out.
 #[derive(Clone, Debug, Default)]
 pub struct Batch {
     pub requests: Vec<RequestSlice>,
+    /// Which tokens get logits.
+    pub logits: LogitRows,
     /// Layers whose output hidden states (the residual stream after the layer, all tokens)
     /// the step also returns: what speculative drafters condition on.
     pub capture: Vec<usize>,
@@ -36,7 +50,8 @@ pub struct Batch {
 /// What a step returns.
 #[derive(Clone, Debug)]
 pub struct StepOutput {
-    /// `[tokens, vocab]` in request order.
+    /// `[rows, vocab]` in request order: a row per token, or per request with
+    /// [`LogitRows::Last`].
     pub logits: Vec<f32>,
     /// `(layer, [tokens, hidden])` for each layer in [`Batch::capture`], in that order.
     pub hidden: Vec<(usize, Vec<f32>)>,
@@ -54,6 +69,8 @@ pub(super) struct Plan {
     /// Cache row of each new token.
     pub slots: DeviceArray<u32>,
     pub meta: AttnMetadata,
+    /// Index of each request's last token, when only those get logits.
+    pub last_rows: Option<DeviceArray<u32>>,
 }
 
 impl Batch {
@@ -61,7 +78,16 @@ impl Batch {
     pub fn new(requests: Vec<RequestSlice>) -> Self {
         Batch {
             requests,
+            logits: LogitRows::All,
             capture: Vec::new(),
+        }
+    }
+
+    /// A step over `requests` that returns logits of each request's last token only.
+    pub fn last_logits(requests: Vec<RequestSlice>) -> Self {
+        Batch {
+            logits: LogitRows::Last,
+            ..Batch::new(requests)
         }
     }
 
@@ -145,7 +171,12 @@ impl Batch {
             block_table: DeviceArray::upload(client, &table),
             max_blocks,
         };
+        let last_rows = (self.logits == LogitRows::Last).then(|| {
+            let rows: Vec<u32> = cu[1..].iter().map(|&end| end - 1).collect();
+            DeviceArray::upload(client, &rows)
+        });
         Ok(Plan {
+            last_rows,
             num_tokens: tokens.len(),
             tokens: DeviceArray::upload(client, &tokens),
             positions: DeviceArray::upload(client, &positions),

@@ -87,8 +87,16 @@ impl<R: Runtime> GpuModel<R> {
             }
         }
         self.launched(add_rmsnorm(cl, &residual, &delta, t, &self.norm, eps, &x))?;
-        let logits = self.scratch(t * c.vocab_size);
-        self.launched(self.lm_head.apply(cl, &x, t, &logits))?;
+        let (rows, x) = match &plan.last_rows {
+            Some(last) => {
+                let picked = self.scratch(last.len() * c.hidden_size);
+                self.launched(gather_rows(cl, &x, c.hidden_size, last, &picked))?;
+                (last.len(), picked)
+            }
+            None => (t, x),
+        };
+        let logits = self.scratch(rows * c.vocab_size);
+        self.launched(self.lm_head.apply(cl, &x, rows, &logits))?;
         let hidden = batch
             .capture
             .iter()

@@ -19,7 +19,7 @@ use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::model::ModelConfig;
 use kiln_reference::rope::{cos_sin_scale, inv_freq, softmax_scale};
 
-pub use batch::{Batch, KvPool, RequestSlice, StepOutput};
+pub use batch::{Batch, KvPool, LogitRows, RequestSlice, StepOutput};
 use upload::{vector, DeviceLinear};
 
 use super::weights::{needed_tensors, progress_bar, Checkpoint, LoadError};

@@ -1,0 +1,268 @@
+//! The engine thread: owns the model on the device, the KV pool and the scheduler, and
+//! runs steps while there is work. Requests come in over a channel; each request's events
+//! (tokens, then the end) go back over its own channel, so the server never blocks on the
+//! device and the device never waits on a client. A client that drops its receiver is
+//! aborted before the next step and its pages are freed.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cubecl::prelude::*;
+use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
+use kiln_kernels::mla::KvFormat;
+
+use crate::cache::CacheKind;
+use crate::metrics::Metrics;
+use crate::model::gpu::GpuModel;
+use crate::model::Checkpoint;
+use crate::scheduler::{policy, Scheduler, SchedulerConfig, Submission};
+
+/// How to run the engine.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub backend: BackendKind,
+    pub kv_format: KvFormat,
+    /// Tokens per KV page (64, the MLA kernels' tile, unless testing).
+    pub page_size: usize,
+    /// KV pages; `None` sizes the pool from the device's free memory.
+    pub kv_pages: Option<usize>,
+    /// Device memory (bytes) left free when sizing the pool.
+    pub memory_reserve: u64,
+    pub max_batch_tokens: usize,
+    pub max_running: usize,
+    pub cache: CacheKind,
+}
+
+/// What the server needs to know about the running model.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    pub vocab_size: usize,
+    pub context_len: usize,
+    pub eos_token_ids: Vec<u32>,
+    pub page_size: usize,
+    pub kv_pages: usize,
+    pub device: String,
+}
+
+impl ModelInfo {
+    /// Why `prompt` with `max_tokens` more cannot run, if it cannot.
+    pub fn check(&self, prompt: &[u32], max_tokens: usize) -> Result<(), String> {
+        if prompt.is_empty() {
+            return Err("the prompt is empty".into());
+        }
+        if let Some(t) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(format!(
+                "token id {t} is outside the vocabulary (0..{})",
+                self.vocab_size
+            ));
+        }
+        let total = prompt.len() + max_tokens;
+        if total > self.context_len {
+            return Err(format!(
+                "this model's maximum context length is {} tokens; the prompt has {} and \
+                 max_tokens asks for {max_tokens} more ({total})",
+                self.context_len,
+                prompt.len()
+            ));
+        }
+        if !policy::fits_pool(prompt.len(), max_tokens, self.page_size, self.kv_pages) {
+            return Err(format!(
+                "the KV cache holds {} tokens; the prompt has {} and max_tokens asks for \
+                 {max_tokens} more",
+                self.kv_pages * self.page_size,
+                prompt.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The server's side of a running engine.
+pub struct EngineHandle {
+    submit: Sender<Submission>,
+    pub info: ModelInfo,
+    pub metrics: Arc<Metrics>,
+    next_id: AtomicU64,
+}
+
+impl EngineHandle {
+    /// A fresh request id.
+    pub fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Hands a request to the engine thread; `Err` if the engine has stopped.
+    pub fn submit(&self, s: Submission) -> Result<(), String> {
+        self.submit
+            .send(s)
+            .map_err(|_| "the engine has stopped".to_string())
+    }
+}
+
+/// Starts the engine thread for `ckpt`; returns once the model is on the device.
+pub fn start(cfg: EngineConfig, ckpt: Checkpoint) -> anyhow::Result<EngineHandle> {
+    let (submit, requests) = mpsc::channel();
+    let (ready_tx, ready) = mpsc::channel();
+    let metrics = Arc::new(Metrics::default());
+    let m = metrics.clone();
+    std::thread::Builder::new()
+        .name("kiln-engine".into())
+        .spawn(move || {
+            let kind = cfg.backend;
+            let runner = Runner {
+                cfg,
+                ckpt,
+                requests,
+                ready: ready_tx.clone(),
+                metrics: m,
+            };
+            if let Err(e) = with_backend(kind, runner) {
+                let _ = ready_tx.send(Err(e.to_string()));
+            }
+        })?;
+    let info = ready
+        .recv()
+        .map_err(|_| anyhow::anyhow!("the engine thread exited while loading"))?
+        .map_err(anyhow::Error::msg)?;
+    Ok(EngineHandle {
+        submit,
+        info,
+        metrics,
+        next_id: AtomicU64::new(0),
+    })
+}
+
+struct Runner {
+    cfg: EngineConfig,
+    ckpt: Checkpoint,
+    requests: Receiver<Submission>,
+    ready: Sender<Result<ModelInfo, String>>,
+    metrics: Arc<Metrics>,
+}
+
+impl BackendVisitor for Runner {
+    type Output = ();
+
+    fn visit<R: Runtime>(self, client: ComputeClient<R>, report: DeviceReport) {
+        let fail = |e: String| {
+            let _ = self.ready.send(Err(e));
+        };
+        tracing::info!(device = %report.name, backend = ?report.backend, "loading the model");
+        let model = match GpuModel::load(client, &self.ckpt) {
+            Ok(m) => m,
+            Err(e) => return fail(e.to_string()),
+        };
+        let page = self.cfg.page_size;
+        let row_bytes = (self.cfg.kv_format.words_per_row() * 4) as u64;
+        let layers = model.config.num_hidden_layers as u64;
+        let pages = match self.cfg.kv_pages {
+            Some(p) => p,
+            None => {
+                let free = kiln_backends::free_memory(report.backend);
+                kv_pages_for(free, self.cfg.memory_reserve, row_bytes, layers, page)
+            }
+        };
+        let pool = model.kv_pool(pages, page, self.cfg.kv_format);
+        let spec = &self.ckpt.spec;
+        let info = ModelInfo {
+            vocab_size: model.config.vocab_size,
+            context_len: spec.context_len,
+            eos_token_ids: spec.eos_token_ids.clone(),
+            page_size: page,
+            kv_pages: pages,
+            device: report.name.clone(),
+        };
+        tracing::info!(
+            pages,
+            page_size = page,
+            tokens = pages * page,
+            format = ?self.cfg.kv_format,
+            "KV pool ready"
+        );
+        let sched_cfg = SchedulerConfig {
+            page_size: page,
+            max_batch_tokens: self.cfg.max_batch_tokens,
+            max_running: self.cfg.max_running,
+            context_len: info.context_len,
+            eos_token_ids: info.eos_token_ids.clone(),
+        };
+        let cache = self.cfg.cache.build(page);
+        let mut sched = Scheduler::new(sched_cfg, pages, cache, self.metrics.clone());
+        let vocab = info.vocab_size;
+        if self.ready.send(Ok(info)).is_err() {
+            return;
+        }
+        loop {
+            // Idle: block for work (waking now and then to notice a closed channel).
+            while sched.is_idle() {
+                match self.requests.recv_timeout(Duration::from_millis(500)) {
+                    Ok(s) => sched.add(s),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            while let Ok(s) = self.requests.try_recv() {
+                sched.add(s);
+            }
+            sched.abort_cancelled();
+            let Some(step) = sched.schedule() else {
+                continue;
+            };
+            match model.step(&step.batch, &pool) {
+                Ok(out) => sched.complete(step, &out.logits, vocab),
+                Err(e) => {
+                    tracing::error!(error = %e, "step failed");
+                    sched.fail(step, &e.to_string());
+                }
+            }
+        }
+    }
+}
+
+/// Tokens of KV the pool holds where the backend cannot say how much memory is free
+/// (wgpu: llvmpipe in CI, a laptop's GPU).
+const DEFAULT_KV_TOKENS: u64 = 65_536;
+/// Largest buffer for one layer's cache (WebGPU's usual binding limit, 2 GiB).
+const MAX_LAYER_BYTES: u64 = 2 << 30;
+
+/// KV pages for the device's free memory less `reserve`, each layer's cache within
+/// [`MAX_LAYER_BYTES`].
+fn kv_pages_for(
+    free: Option<u64>,
+    reserve: u64,
+    row_bytes: u64,
+    layers: u64,
+    page: usize,
+) -> usize {
+    let token_bytes = row_bytes * layers;
+    let budget = match free {
+        Some(free) => free.saturating_sub(reserve) / token_bytes,
+        None => DEFAULT_KV_TOKENS,
+    };
+    let tokens = budget.min(MAX_LAYER_BYTES / row_bytes);
+    (tokens as usize / page).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pool_takes_free_memory_less_the_reserve() {
+        // 10 GiB free, 2 GiB reserved, 61 layers of 1152-byte rows (bf16 MLA KV).
+        let pages = kv_pages_for(Some(10 << 30), 2 << 30, 1152, 61, 64);
+        assert_eq!(pages, (8u64 << 30) as usize / (1152 * 61) / 64);
+    }
+
+    #[test]
+    fn without_a_memory_figure_the_pool_holds_the_default() {
+        assert_eq!(kv_pages_for(None, 0, 1152, 2, 64), 1024);
+    }
+
+    #[test]
+    fn one_layer_cache_stays_within_the_largest_buffer() {
+        let pages = kv_pages_for(Some(1 << 40), 0, 1152, 1, 64);
+        assert_eq!(pages, ((2u64 << 30) / 1152) as usize / 64);
+    }
+}

@@ -1,0 +1,263 @@
+//! The engine's counters, gauges and latency histograms, rendered in Prometheus' text
+//! format for `GET /metrics`. Names follow SGLang's where one exists (`num_running_reqs`,
+//! `num_queue_reqs`, `cache_hit_rate`, `time_to_first_token_seconds`), prefixed `kiln_`.
+//! Updated by the engine thread with relaxed atomics; read by the server at any time.
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// A gauge holding an f64.
+#[derive(Debug, Default)]
+pub struct Gauge(AtomicU64);
+
+impl Gauge {
+    pub fn set(&self, v: f64) {
+        self.0.store(v.to_bits(), Relaxed);
+    }
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Relaxed))
+    }
+}
+
+/// A counter.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Relaxed)
+    }
+}
+
+/// A latency histogram with fixed bucket bounds in seconds.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    buckets: Vec<AtomicU64>,
+    sum_nanos: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_nanos: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        if let Some(i) = self.bounds.iter().position(|&b| s <= b) {
+            self.buckets[i].fetch_add(1, Relaxed);
+        }
+        self.sum_nanos.fetch_add(d.as_nanos() as u64, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Relaxed)
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (b, n) in self.bounds.iter().zip(&self.buckets) {
+            cumulative += n.load(Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let count = self.count();
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let sum = self.sum_nanos.load(Relaxed) as f64 * 1e-9;
+        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+    }
+}
+
+const TTFT_BOUNDS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const ITL_BOUNDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
+];
+
+/// Everything `/metrics` reports.
+#[derive(Debug)]
+pub struct Metrics {
+    pub running: Gauge,
+    pub queued: Gauge,
+    /// Share of KV pages held by requests (pages only the prefix cache holds are free to
+    /// evict and not counted).
+    pub kv_usage: Gauge,
+    pub kv_cached_pages: Gauge,
+    pub kv_total_pages: Gauge,
+    pub prompt_tokens: Counter,
+    pub cached_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub requests_finished: Counter,
+    pub requests_aborted: Counter,
+    pub requests_rejected: Counter,
+    pub preemptions: Counter,
+    pub steps: Counter,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            running: Gauge::default(),
+            queued: Gauge::default(),
+            kv_usage: Gauge::default(),
+            kv_cached_pages: Gauge::default(),
+            kv_total_pages: Gauge::default(),
+            prompt_tokens: Counter::default(),
+            cached_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            requests_finished: Counter::default(),
+            requests_aborted: Counter::default(),
+            requests_rejected: Counter::default(),
+            preemptions: Counter::default(),
+            steps: Counter::default(),
+            ttft: Histogram::new(TTFT_BOUNDS),
+            itl: Histogram::new(ITL_BOUNDS),
+        }
+    }
+}
+
+impl Metrics {
+    /// Cached prompt tokens over all prompt tokens admitted so far (0 before any).
+    pub fn cache_hit_rate(&self) -> f64 {
+        let prompt = self.prompt_tokens.get();
+        if prompt == 0 {
+            0.0
+        } else {
+            self.cached_tokens.get() as f64 / prompt as f64
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let mut gauge = |name: &str, help: &str, v: f64| {
+            let _ = writeln!(
+                out,
+                "# HELP kiln_{name} {help}\n# TYPE kiln_{name} gauge\nkiln_{name} {v}"
+            );
+        };
+        gauge(
+            "num_running_reqs",
+            "Requests in the running batch.",
+            self.running.get(),
+        );
+        gauge(
+            "num_queue_reqs",
+            "Requests waiting for admission.",
+            self.queued.get(),
+        );
+        gauge(
+            "kv_usage",
+            "Share of KV pages held by requests.",
+            self.kv_usage.get(),
+        );
+        gauge(
+            "kv_cached_pages",
+            "KV pages held by the prefix cache.",
+            self.kv_cached_pages.get(),
+        );
+        gauge(
+            "kv_total_pages",
+            "KV pages in the pool.",
+            self.kv_total_pages.get(),
+        );
+        gauge(
+            "cache_hit_rate",
+            "Cached prompt tokens over prompt tokens.",
+            self.cache_hit_rate(),
+        );
+        let mut counter = |name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP kiln_{name} {help}\n# TYPE kiln_{name} counter\nkiln_{name} {v}"
+            );
+        };
+        counter(
+            "prompt_tokens_total",
+            "Prompt tokens admitted.",
+            self.prompt_tokens.get(),
+        );
+        counter(
+            "cached_tokens_total",
+            "Prompt tokens served from the prefix cache.",
+            self.cached_tokens.get(),
+        );
+        counter(
+            "generation_tokens_total",
+            "Tokens generated.",
+            self.generation_tokens.get(),
+        );
+        counter(
+            "requests_finished_total",
+            "Requests that finished.",
+            self.requests_finished.get(),
+        );
+        counter(
+            "requests_aborted_total",
+            "Requests whose client went away.",
+            self.requests_aborted.get(),
+        );
+        counter(
+            "requests_rejected_total",
+            "Requests refused (bad input or a full queue).",
+            self.requests_rejected.get(),
+        );
+        counter(
+            "preemptions_total",
+            "Requests preempted to free KV pages.",
+            self.preemptions.get(),
+        );
+        counter("steps_total", "Forward steps run.", self.steps.get());
+        self.ttft.render(
+            &mut out,
+            "kiln_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+        );
+        self.itl.render(
+            &mut out,
+            "kiln_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.",
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative_and_count_everything() {
+        let m = Metrics::default();
+        m.ttft.observe(Duration::from_millis(3));
+        m.ttft.observe(Duration::from_millis(70));
+        m.ttft.observe(Duration::from_secs(100));
+        let text = m.render();
+        assert!(text.contains("kiln_time_to_first_token_seconds_bucket{le=\"0.005\"} 1"));
+        assert!(text.contains("kiln_time_to_first_token_seconds_bucket{le=\"0.1\"} 2"));
+        assert!(text.contains("kiln_time_to_first_token_seconds_bucket{le=\"+Inf\"} 3"));
+        assert!(text.contains("kiln_time_to_first_token_seconds_count 3"));
+    }
+
+    #[test]
+    fn the_hit_rate_is_cached_over_prompt_tokens() {
+        let m = Metrics::default();
+        assert_eq!(m.cache_hit_rate(), 0.0);
+        m.prompt_tokens.add(200);
+        m.cached_tokens.add(150);
+        assert!(m.render().contains("kiln_cache_hit_rate 0.75"));
+    }
+}

@@ -1,0 +1,378 @@
+//! Continuous batching with chunked prefill over a paged KV pool and a prefix cache.
+//!
+//! Each step: every running request that is decoding gets its one token first (decode is
+//! never starved by a long prefill), then running prefills continue in chunks, then waiting
+//! requests are admitted (prefix-cache lookup first) while the step's token budget and the
+//! running limit allow. When pages run out: evict unused cached prefixes, then preempt the
+//! newest running request (its computed pages go to the prefix cache, so coming back is
+//! mostly a cache hit). The oldest request is never preempted for a newer one, and every
+//! admitted request fits the pool alone, so some request always makes progress.
+//!
+//! Host-side only: [`Scheduler::schedule`] returns a [`Step`] (a model [`Batch`]),
+//! [`Scheduler::complete`] takes its logits. Room for speculative decoding: a step slice
+//! may carry several query tokens of one request; `computed` then advances only by the
+//! accepted ones and the pages past it are rewritten by the next step.
+pub mod policy;
+mod request;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use request::Request;
+pub use request::{Event, FinishReason, SamplingParams, Submission, Usage};
+
+use crate::cache::{PagePool, PrefixCache};
+use crate::metrics::Metrics;
+use crate::model::gpu::{Batch, RequestSlice};
+use crate::sampling::sample;
+
+/// Limits the scheduler works within.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    pub page_size: usize,
+    /// Token budget of one step: decode tokens plus prefill chunks.
+    pub max_batch_tokens: usize,
+    /// Most requests in the running batch.
+    pub max_running: usize,
+    /// The model's context length.
+    pub context_len: usize,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// The work of one step: the batch and which request each slice belongs to.
+#[derive(Debug)]
+pub struct Step {
+    pub batch: Batch,
+    /// Per slice: the request's id and the tokens it runs.
+    slices: Vec<(u64, usize)>,
+}
+
+/// Waiting and running requests, the page pool and the prefix cache.
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: PagePool,
+    cache: Box<dyn PrefixCache>,
+    waiting: VecDeque<Request>,
+    /// In admission order: earlier requests have priority.
+    running: Vec<Request>,
+    metrics: Arc<Metrics>,
+}
+
+impl Scheduler {
+    /// A scheduler over `num_pages` pages.
+    pub fn new(
+        cfg: SchedulerConfig,
+        num_pages: usize,
+        cache: Box<dyn PrefixCache>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        assert!(cfg.max_batch_tokens >= cfg.max_running && cfg.max_running > 0);
+        metrics.kv_total_pages.set(num_pages as f64);
+        Scheduler {
+            cfg,
+            pool: PagePool::new(num_pages),
+            cache,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            metrics,
+        }
+    }
+
+    /// Tokens the pool holds.
+    pub fn capacity_tokens(&self) -> usize {
+        self.pool.total() * self.cfg.page_size
+    }
+
+    /// Queues a request (the caller checked it fits: see [`policy::fits_pool`]).
+    pub fn add(&mut self, s: Submission) {
+        tracing::debug!(id = s.id, session = ?s.session, prompt = s.prompt.len(), "queued");
+        self.waiting.push_back(Request::new(s));
+        self.publish();
+    }
+
+    /// Whether nothing is running or waiting.
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// Drops requests whose clients went away, freeing their pages.
+    pub fn abort_cancelled(&mut self) {
+        let before = self.waiting.len() + self.running.len();
+        self.waiting.retain(|r| !r.cancelled());
+        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|r| r.cancelled());
+        self.running = kept;
+        for r in gone {
+            tracing::debug!(id = r.id, "client gone: aborted");
+            self.retire(r);
+        }
+        let aborted = before - self.waiting.len() - self.running.len();
+        self.metrics.requests_aborted.add(aborted as u64);
+        if aborted > 0 {
+            self.publish();
+        }
+    }
+
+    /// Plans the next step; `None` if there is nothing to run.
+    pub fn schedule(&mut self) -> Option<Step> {
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut plan: Vec<usize> = vec![0; self.running.len()];
+        // Decode first, then prefill chunks, each in admission order.
+        for decode_pass in [true, false] {
+            let mut i = 0;
+            while i < self.running.len() && budget > 0 {
+                let pending = self.running[i].pending();
+                if plan[i] == 0 && (pending == 1) == decode_pass {
+                    let n = policy::chunk_len(pending, budget);
+                    if self.reserve(i, n, &mut plan) {
+                        plan[i] = n;
+                        budget -= n;
+                    }
+                }
+                i += 1;
+            }
+        }
+        while budget > 0 && self.running.len() < self.cfg.max_running {
+            let Some(n) = self.admit(budget) else { break };
+            plan.push(n);
+            budget -= n;
+        }
+        self.publish();
+        let (mut requests, mut slices) = (Vec::new(), Vec::new());
+        for (r, &n) in self.running.iter().zip(&plan).filter(|(_, &n)| n > 0) {
+            let kv_len = r.computed + n;
+            requests.push(RequestSlice {
+                tokens: r.tokens[r.computed..kv_len].to_vec(),
+                kv_len,
+                block_table: r.pages[..kv_len.div_ceil(self.cfg.page_size)].to_vec(),
+            });
+            slices.push((r.id, n));
+        }
+        (!requests.is_empty()).then(|| Step {
+            batch: Batch::last_logits(requests),
+            slices,
+        })
+    }
+
+    /// Gives running request `i` pages for `n` more tokens: from the free list, then by
+    /// evicting cached prefixes, then by preempting newer requests not yet planned.
+    fn reserve(&mut self, i: usize, n: usize, plan: &mut Vec<usize>) -> bool {
+        let r = &self.running[i];
+        let need = policy::pages_needed(r.computed + n, self.cfg.page_size, r.pages.len());
+        loop {
+            if let Some(pages) = self.take_pages(need) {
+                self.running[i].pages.extend(pages);
+                return true;
+            }
+            match policy::preemption_victim(self.running.len(), i) {
+                Some(v) if plan[v] == 0 => {
+                    plan.pop();
+                    self.preempt(v);
+                }
+                _ => return false,
+            }
+        }
+    }
+
+    /// `n` pages from the free list, evicting cached prefixes if needed.
+    fn take_pages(&mut self, n: usize) -> Option<Vec<u32>> {
+        let short = n.saturating_sub(self.pool.free_pages());
+        if short > 0 {
+            self.cache.evict(short, &mut self.pool);
+        }
+        self.pool.alloc(n)
+    }
+
+    /// Moves running request `v` back to the front of the queue, its pages freed (the whole
+    /// pages it computed stay in the prefix cache).
+    fn preempt(&mut self, v: usize) {
+        let mut r = self.running.remove(v);
+        tracing::debug!(id = r.id, computed = r.computed, "preempted");
+        self.metrics.preemptions.add(1);
+        cache_computed(&mut *self.cache, &mut self.pool, self.cfg.page_size, &mut r);
+        self.pool.release(&r.pages);
+        r.pages.clear();
+        r.computed = 0;
+        self.waiting.push_front(r);
+    }
+
+    /// Admits the first waiting request with its first chunk; `None` if none waits or its
+    /// pages cannot be had without preempting (new requests never preempt running ones).
+    fn admit(&mut self, budget: usize) -> Option<usize> {
+        let r = self.waiting.front()?;
+        let page = self.cfg.page_size;
+        let mut hit = self.cache.lookup(&r.tokens);
+        hit.truncate(policy::reusable_pages(hit.len(), r.tokens.len(), page));
+        self.pool.retain(&hit);
+        let computed = hit.len() * page;
+        let n = policy::chunk_len(r.tokens.len() - computed, budget);
+        let Some(new) = self.take_pages(policy::pages_needed(computed + n, page, hit.len())) else {
+            self.pool.release(&hit);
+            return None;
+        };
+        let mut r = self.waiting.pop_front().expect("looked at above");
+        if r.cached.is_none() {
+            r.cached = Some(computed);
+            self.metrics.prompt_tokens.add(r.prompt_len as u64);
+            self.metrics.cached_tokens.add(computed as u64);
+            let _ = r.events.send(Event::Admitted {
+                cached_tokens: computed,
+            });
+            tracing::debug!(id = r.id, session = ?r.session, cached = computed, "admitted");
+        }
+        r.computed = computed;
+        r.pages = hit.into_iter().chain(new).collect();
+        self.running.push(r);
+        Some(n)
+    }
+
+    /// Takes the logits of `step` (one row per slice, `vocab` wide): advances each request,
+    /// samples where a request's pending tokens are all computed, sends its events and
+    /// retires finished requests.
+    pub fn complete(&mut self, step: Step, logits: &[f32], vocab: usize) {
+        assert_eq!(logits.len(), step.slices.len() * vocab);
+        self.metrics.steps.add(1);
+        let now = Instant::now();
+        let mut finished = Vec::new();
+        for (row, &(id, n)) in step.slices.iter().enumerate() {
+            let idx = self.running.iter().position(|r| r.id == id);
+            let r = &mut self.running[idx.expect("a planned request is running")];
+            let prompt_done = r.computed < r.prompt_len && r.computed + n >= r.prompt_len;
+            r.computed += n;
+            if r.pending() > 0 {
+                continue; // mid-prefill: no token yet
+            }
+            let row = &logits[row * vocab..(row + 1) * vocab];
+            let token = sample(row, r.params.temperature, r.params.top_p, &mut r.rng);
+            match r.last_token_at {
+                None => self.metrics.ttft.observe(now - r.arrived),
+                Some(t) => self.metrics.itl.observe(now - t),
+            }
+            r.last_token_at = Some(now);
+            let stop = (!r.params.ignore_eos && self.cfg.eos_token_ids.contains(&token))
+                || r.params.stop_token_ids.contains(&token);
+            let reason = if stop {
+                Some(FinishReason::Stop)
+            } else {
+                r.tokens.push(token);
+                self.metrics.generation_tokens.add(1);
+                let _ = r.events.send(Event::Token(token));
+                let full =
+                    r.generated() >= r.params.max_tokens || r.tokens.len() >= self.cfg.context_len;
+                full.then_some(FinishReason::Length)
+            };
+            match reason {
+                Some(reason) => finished.push((id, reason)),
+                None if prompt_done => {
+                    // Share the prompt with requests that arrive while this one decodes.
+                    let r = &mut self.running[idx.expect("found above")];
+                    cache_computed(&mut *self.cache, &mut self.pool, self.cfg.page_size, r);
+                }
+                None => {}
+            }
+        }
+        for (id, reason) in finished {
+            let idx = self.running.iter().position(|r| r.id == id);
+            let r = self
+                .running
+                .remove(idx.expect("finished requests are running"));
+            let _ = r.events.send(Event::Finished {
+                reason,
+                usage: r.usage(),
+            });
+            self.metrics.requests_finished.add(1);
+            tracing::debug!(id, reason = reason.as_str(), usage = ?r.usage(), "finished");
+            self.retire(r);
+        }
+        self.publish();
+    }
+
+    /// Fails every request of `step` (the device step failed) and frees their pages.
+    pub fn fail(&mut self, step: Step, why: &str) {
+        for (id, _) in step.slices {
+            if let Some(idx) = self.running.iter().position(|r| r.id == id) {
+                let r = self.running.remove(idx);
+                let _ = r.events.send(Event::Failed(why.to_string()));
+                self.pool.release(&r.pages);
+            }
+        }
+        self.publish();
+    }
+
+    /// A request leaves: its computed pages go to the cache, its references are dropped.
+    fn retire(&mut self, mut r: Request) {
+        cache_computed(&mut *self.cache, &mut self.pool, self.cfg.page_size, &mut r);
+        self.pool.release(&r.pages);
+    }
+
+    /// A one-line account of the queue, the batch and the pool, for logs and test failures.
+    pub fn describe(&self) -> String {
+        let running: Vec<_> = (self.running.iter())
+            .map(|r| (r.id, r.computed, r.tokens.len(), r.pages.len()))
+            .collect();
+        let waiting: Vec<_> = self
+            .waiting
+            .iter()
+            .map(|r| (r.id, r.tokens.len()))
+            .collect();
+        format!(
+            "running (id, computed, tokens, pages) {running:?}; waiting (id, tokens) {waiting:?}; \
+             pages free {} cached {} total {}",
+            self.pool.free_pages(),
+            self.cache.cached_pages(),
+            self.pool.total()
+        )
+    }
+
+    /// Checks that every page reference is accounted for by a request or the cache.
+    #[cfg(test)]
+    pub(crate) fn check_pages(&self) {
+        let (refs, cached) = self.pool.totals();
+        let held: usize = self.running.iter().map(|r| r.pages.len()).sum();
+        assert_eq!(
+            cached,
+            self.cache.cached_pages(),
+            "cache holds vs its own count"
+        );
+        assert_eq!(
+            refs,
+            held + cached,
+            "references vs holders: {}",
+            self.describe()
+        );
+    }
+
+    /// Publishes the gauges.
+    fn publish(&self) {
+        let m = &self.metrics;
+        m.running.set(self.running.len() as f64);
+        m.queued.set(self.waiting.len() as f64);
+        m.kv_usage
+            .set(self.pool.request_pages() as f64 / self.pool.total().max(1) as f64);
+        m.kv_cached_pages.set(self.cache.cached_pages() as f64);
+    }
+}
+
+/// Puts the whole pages of `r`'s computed tokens into the prefix cache and switches `r` to
+/// the cache's pages where it computed a prefix the cache already had.
+fn cache_computed(
+    cache: &mut dyn PrefixCache,
+    pool: &mut PagePool,
+    page_size: usize,
+    r: &mut Request,
+) {
+    let full = r.computed / page_size;
+    let cached = cache.insert(&r.tokens[..full * page_size], &r.pages[..full], pool);
+    for (mine, theirs) in r.pages.iter_mut().zip(cached) {
+        if *mine != theirs {
+            pool.retain(&[theirs]);
+            pool.release(&[*mine]);
+            *mine = theirs;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,151 @@
+//! A request as the scheduler sees it: its tokens, how far its KV is computed, its pages,
+//! its sampling parameters and the channel its events go to.
+use std::time::Instant;
+
+use kiln_reference::data::Rng;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// How to pick tokens and when to stop.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// Nucleus sampling: the smallest set of tokens whose probability reaches `top_p`.
+    pub top_p: f32,
+    /// Seed of this request's sampler (the same seed gives the same tokens).
+    pub seed: u64,
+    /// Token ids that end the generation (besides the model's end-of-sequence ids).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating through end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            max_tokens: 256,
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence or stop token.
+    Stop,
+    /// `max_tokens`, or the model's context is full.
+    Length,
+}
+
+impl FinishReason {
+    /// The name OpenAI's API uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// What the engine tells a request's client, in order: tokens, then one `Finished`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// The prompt was admitted; this much of it came from the cache.
+    Admitted { cached_tokens: usize },
+    /// A generated token.
+    Token(u32),
+    /// The end. The stop token that ended it (if any) is not among the tokens.
+    Finished { reason: FinishReason, usage: Usage },
+    /// The request cannot run (e.g. the device failed); nothing more follows.
+    Failed(String),
+}
+
+/// A request submitted to the engine.
+#[derive(Debug)]
+pub struct Submission {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// The `x-session-id` it came with, for the logs.
+    pub session: Option<String>,
+    pub events: UnboundedSender<Event>,
+}
+
+/// A request inside the scheduler.
+#[derive(Debug)]
+pub(crate) struct Request {
+    pub id: u64,
+    pub session: Option<String>,
+    /// Prompt, then every generated token.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub params: SamplingParams,
+    pub rng: Rng,
+    /// Block table: pages holding positions `0..computed` (and room for the next chunk).
+    pub pages: Vec<u32>,
+    /// Tokens whose KV is in `pages`.
+    pub computed: usize,
+    /// Prompt tokens the cache supplied at first admission (`None` until admitted).
+    pub cached: Option<usize>,
+    pub events: UnboundedSender<Event>,
+    pub arrived: Instant,
+    pub last_token_at: Option<Instant>,
+}
+
+impl Request {
+    pub fn new(s: Submission) -> Self {
+        Request {
+            id: s.id,
+            session: s.session,
+            prompt_len: s.prompt.len(),
+            tokens: s.prompt,
+            rng: Rng::new(s.params.seed),
+            params: s.params,
+            pages: Vec::new(),
+            computed: 0,
+            cached: None,
+            events: s.events,
+            arrived: Instant::now(),
+            last_token_at: None,
+        }
+    }
+
+    /// Tokens generated so far.
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens still to run through the model before the next sample.
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// Whether the client went away (its receiver is dropped).
+    pub fn cancelled(&self) -> bool {
+        self.events.is_closed()
+    }
+
+    pub fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_len,
+            cached_tokens: self.cached.unwrap_or(0),
+            completion_tokens: self.generated(),
+        }
+    }
+}
