@@ -73,6 +73,25 @@ impl Dist {
         self.min * below_min + (partial(self.max) - partial(self.min)) + self.max * above_max
     }
 
+    /// Exact variance of the clamped variable, from its second moment
+    /// `E[X^2; X <= c] = exp(2 mu + 2 sigma^2) Phi((ln c - mu - 2 sigma^2) / sigma)`.
+    /// Tests use it for the standard error of a sample mean: with a heavy tail the
+    /// sample's own variance underestimates it.
+    pub fn variance(&self) -> f64 {
+        if self.sigma == 0.0 {
+            return 0.0;
+        }
+        let (mu, s) = (self.mu(), self.sigma);
+        let z = |c: f64| (c.ln() - mu) / s;
+        let below_min = normal_cdf(z(self.min));
+        let above_max = 1.0 - normal_cdf(z(self.max));
+        let partial = |c: f64| (2.0 * mu + 2.0 * s * s).exp() * normal_cdf(z(c) - 2.0 * s);
+        let second = self.min * self.min * below_min
+            + (partial(self.max) - partial(self.min))
+            + self.max * self.max * above_max;
+        (second - self.mean().powi(2)).max(0.0)
+    }
+
     /// The same shape with every value multiplied by `factor` (mean, min and max).
     pub fn scaled(&self, factor: f64) -> Self {
         Self {
@@ -134,6 +153,32 @@ mod tests {
     fn unclamped_mean_is_the_parameter() {
         let d = Dist::log_normal(500.0, 1.0, 1e-9, 1e12);
         assert!((d.mean() - 500.0).abs() < 1e-3, "{}", d.mean());
+    }
+
+    #[test]
+    fn unclamped_variance_is_the_log_normal_one() {
+        let d = Dist::log_normal(500.0, 1.0, 1e-9, 1e12);
+        let want = 500.0f64.powi(2) * (1.0f64.exp() - 1.0);
+        assert!((d.variance() / want - 1.0).abs() < 1e-4, "{}", d.variance());
+    }
+
+    #[test]
+    fn clamped_moments_match_a_large_sample() {
+        let d = Dist::log_normal(10.0, 1.2, 2.0, 40.0);
+        let mut rng = Rng::new(3);
+        let xs: Vec<f64> = (0..200_000).map(|_| d.sample(&mut rng)).collect();
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
+        assert!(
+            (mean / d.mean() - 1.0).abs() < 0.01,
+            "{mean} vs {}",
+            d.mean()
+        );
+        assert!(
+            (var / d.variance() - 1.0).abs() < 0.03,
+            "{var} vs {}",
+            d.variance()
+        );
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //!   ([`SessionGenerator`] draws [`Session`]s from [`WorkloadParams`]).
 //! - [`tokens`]: token ids (and text) for those sessions, exact where prefixes are shared.
 //! - [`trace`]: Mooncake JSONL traces turned into token ids that keep their block sharing.
-//! - [`metrics`]: per-request records, the summary of one concurrency point, the report.
+//! - [`metrics`]: per-request records, the summary of one concurrency point, the Pareto
+//!   frontier; [`report`]: the JSON of a sweep and its summary table.
 //! - [`plot`] (feature `plot`): the Pareto chart of a sweep, SVG and PNG.
 //!
 //! The HTTP driver lives in the `kiln` binary (`kiln bench`); the router's simulator uses
@@ -14,7 +15,11 @@
 //! multi-turn and Mooncake-replay modes.
 pub mod dist;
 pub mod error;
+pub mod metrics;
 pub mod params;
+#[cfg(feature = "plot")]
+pub mod plot;
+pub mod report;
 pub mod session;
 pub mod tokens;
 pub mod trace;

@@ -3,22 +3,17 @@
 use kiln_workload::{Dist, Session, SessionGenerator, TurnKind, WorkloadParams};
 use proptest::prelude::*;
 
-/// Mean and standard error of a sample.
-fn mean_and_se(xs: &[f64]) -> (f64, f64) {
+/// Asserts the sample mean of `xs` is within 5 standard errors of `d`'s exact mean, the
+/// error from `d`'s exact variance (a heavy-tailed sample underestimates its own), plus
+/// `slack` for rounding to whole tokens.
+fn assert_mean_close(name: &str, xs: &[f64], d: &Dist, slack: f64) {
     let n = xs.len() as f64;
     let mean = xs.iter().sum::<f64>() / n;
-    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
-    (mean, (var / n).sqrt())
-}
-
-/// Asserts the sample mean of `xs` is within 5 standard errors (plus `slack`, for
-/// rounding to whole tokens) of `expected`.
-fn assert_mean_close(name: &str, xs: &[f64], expected: f64, slack: f64) {
-    let (mean, se) = mean_and_se(xs);
+    let se = (d.variance() / n).sqrt();
     assert!(
-        (mean - expected).abs() <= 5.0 * se + slack,
-        "{name}: sample mean {mean} vs expected {expected} (se {se}, n {})",
-        xs.len()
+        (mean - d.mean()).abs() <= 5.0 * se + slack,
+        "{name}: sample mean {mean} vs expected {} (se {se}, n {n})",
+        d.mean()
     );
 }
 
@@ -118,7 +113,7 @@ proptest! {
         let sessions = g.sessions(400);
         let p = &params;
         let turns: Vec<f64> = sessions.iter().map(|s| s.turns.len() as f64).collect();
-        assert_mean_close("turns", &turns, p.turns.mean(), 0.5);
+        assert_mean_close("turns", &turns, &p.turns, 0.5);
         let trees: Vec<f64> = sessions.iter().map(|s| s.tree as u8 as f64).collect();
         assert_share_close("tree share", &trees, p.tree_session_share);
 
@@ -142,15 +137,15 @@ proptest! {
             }
             output.extend(s.turns.iter().flat_map(|t| t.requests.iter().map(|r| r.output as f64)));
         }
-        assert_mean_close("output", &output, p.output.mean(), 0.5);
+        assert_mean_close("output", &output, &p.output, 0.5);
         assert_share_close("user share", &is_user, p.user_turn_share);
         if tool.len() > 30 {
-            assert_mean_close("tool result", &tool, p.tool_result.mean(), 0.5);
-            assert_mean_close("tool gap", &tool_gap, p.tool_think_s.mean(), 0.0);
+            assert_mean_close("tool result", &tool, &p.tool_result, 0.5);
+            assert_mean_close("tool gap", &tool_gap, &p.tool_think_s, 0.0);
         }
         if user.len() > 30 {
-            assert_mean_close("user message", &user, p.user_message.mean(), 0.5);
-            assert_mean_close("user gap", &user_gap, p.user_think_s.mean(), 0.0);
+            assert_mean_close("user message", &user, &p.user_message, 0.5);
+            assert_mean_close("user gap", &user_gap, &p.user_think_s, 0.0);
         }
         if fanout.len() > 30 {
             assert_share_close("fork probability", &fanout, p.fork_probability);
