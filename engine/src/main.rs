@@ -17,6 +17,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Benchmark a server (kiln, SGLang, vLLM) with coding-agent sessions or a Mooncake
+    /// trace: a sweep over concurrency with TTFT, output tokens/s per user, tokens/min per
+    /// GPU and cache hit rate, as a table, JSON and a Pareto chart (SVG and PNG).
+    Bench(cli::bench::BenchArgs),
     /// Run every kernel against the reference oracle on realistic shapes and print a table
     /// (kernel, shape, backend, max abs/rel error, tolerance, pass, time). Exits non-zero
     /// if any kernel disagrees with the reference.
@@ -24,6 +28,10 @@ enum Command {
     /// Generate a completion for a prompt with a model directory (greedy by default) and
     /// print it with prefill and decode speeds.
     Generate(cli::generate::GenerateArgs),
+    /// Serve the model over HTTP: OpenAI-compatible /v1/chat/completions and
+    /// /v1/completions (streaming), SGLang's /generate (token ids), /v1/models, /health and
+    /// Prometheus /metrics. Without --model it serves an embedded tiny model.
+    Serve(cli::serve::ServeArgs),
     /// Print the device the chosen backend runs on and what it supports (name, arch,
     /// tensor-core types, bf16 / fp8 / fp4 support).
     Info(cli::info::InfoArgs),
@@ -41,8 +49,10 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Bench(args) => cli::bench::run(args),
         Command::Check(args) => cli::check::run(args),
         Command::Generate(args) => cli::generate::run(args),
         Command::Info(args) => cli::info::run(args),
+        Command::Serve(args) => cli::serve::run(args),
     }
 }

@@ -3,14 +3,15 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use clap::{Args, ValueEnum};
+use clap::Args;
+
+use super::KvDtype;
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, RequestSlice};
 use kiln::model::tokenizer::TextCodec;
 use kiln::model::Checkpoint;
 use kiln::sampling::sample;
 use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
-use kiln_kernels::mla::KvFormat;
 use kiln_reference::data::Rng;
 
 #[derive(Args)]
@@ -39,23 +40,6 @@ pub struct GenerateArgs {
     /// Also print the prompt's and the completion's token ids.
     #[arg(long)]
     ids: bool,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum KvDtype {
-    F32,
-    Bf16,
-    Fp8,
-}
-
-impl From<KvDtype> for KvFormat {
-    fn from(d: KvDtype) -> Self {
-        match d {
-            KvDtype::F32 => KvFormat::F32,
-            KvDtype::Bf16 => KvFormat::Bf16,
-            KvDtype::Fp8 => KvFormat::Fp8,
-        }
-    }
 }
 
 const PAGE: usize = 64;

@@ -1,0 +1,318 @@
+//! `kiln bench`: the coding-agent workload against any OpenAI-compatible server (kiln,
+//! SGLang, vLLM), one point per concurrency, with a summary table, JSON and a Pareto chart.
+//!
+//! The workload (sessions, traces, metrics, chart) is the pure `kiln-workload` crate;
+//! this module is the HTTP side: the client and its SSE framing (`client`, `sse`), the
+//! closed-loop session agents (`closed_loop`), trace replay (`replay`), the server's own
+//! counters (`prom`) and the progress bar (`progress`). It follows SGLang's
+//! `bench_serving` (multi-turn and Mooncake modes) and AIPerf's sweeps.
+mod client;
+mod closed_loop;
+mod progress;
+mod prom;
+mod replay;
+mod sse;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use client::{Api, Client};
+use kiln_workload::metrics::{summarize, PointSummary, RequestRecord};
+use kiln_workload::report::{table, BenchReport, WorkloadSource};
+use kiln_workload::trace::{read_trace, TraceRequest, TraceTokenizer};
+use kiln_workload::{SessionGenerator, TokenRange, WorkloadParams};
+use progress::{Counters, Progress};
+use prom::TokenCounters;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Session indices of sweep point `i` start at `i << 32`: fresh sessions per point.
+const SESSIONS_PER_POINT_SHIFT: u32 = 32;
+
+#[derive(Args)]
+#[command(after_long_help = "\
+Examples:
+  kiln serve --port 30000 &   # or SGLang / vLLM
+  kiln bench --url http://127.0.0.1:30000 --scale 0.02 --think-scale 0.05 --duration 30 \\
+      --sweep 1,2,4,8 --json sweep.json --plot sweep.svg
+  kiln bench --url http://127.0.0.1:30000 --trace mooncake_trace.jsonl --trace-clock
+
+Without --trace, each concurrent user runs generated coding-agent sessions (a shared
+system prompt with tool definitions, turns that re-send the whole history plus a tool
+result or user message, think times between turns, some sessions fanning out into
+concurrent requests), one session after another, for --duration seconds per point.
+Full scale (--scale 1) is about 100k input and 500 output tokens per request.")]
+pub struct BenchArgs {
+    /// Base URL of the server, e.g. http://127.0.0.1:30000.
+    #[arg(long)]
+    url: String,
+    /// Concurrencies to run, one point each (concurrent sessions, or replay workers).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    sweep: Vec<u32>,
+    /// Seconds per point: no new turn starts after it; requests in flight finish.
+    #[arg(long, default_value_t = 60.0)]
+    duration: f64,
+    /// Write every point (and the workload's parameters) as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Draw the Pareto chart (x = output tokens/s per user, y = tokens/min per GPU, each
+    /// point labelled with its concurrency) to this file; an .svg and a .png are written.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// GPUs the server runs on (throughput is reported per GPU).
+    #[arg(long, default_value_t = 1)]
+    gpus: u32,
+    /// Shrinks every context by this factor (system prompt, messages, outputs, context
+    /// limit, trace blocks), so the same shape runs against a small model; 1 = full scale.
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Multiplies think times (tool latencies, user gaps); 0 sends turns back to back.
+    #[arg(long, default_value_t = 1.0)]
+    think_scale: f64,
+    /// Replay a Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids of
+    /// 512-token blocks) instead of generated sessions.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// With --trace: send each request at its timestamp (one point; --sweep is ignored)
+    /// instead of closed-loop.
+    #[arg(long, requires = "trace")]
+    trace_clock: bool,
+    /// With --trace-clock: replay this many times faster than recorded.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// How to send prompts: token ids to /generate, text to /v1/completions, or auto
+    /// (/generate when the server answers it).
+    #[arg(long, value_enum, default_value_t = ApiChoice::Auto)]
+    api: ApiChoice,
+    /// Model name for OpenAI requests (default: the first one /v1/models lists).
+    #[arg(long)]
+    model: Option<String>,
+    /// Workload seed: the same seed sends the same token ids.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// At most this many sessions per point (default: as many as the duration allows).
+    #[arg(long)]
+    sessions: Option<u64>,
+    /// Largest token id to send (ids are drawn from 3 up to it); keep it inside the
+    /// server's vocabulary.
+    #[arg(long, default_value_t = 258)]
+    max_token_id: u32,
+    /// Sampling temperature (outputs are always exactly their length: ignore_eos).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Per-request timeout in seconds (a timed-out request counts as an error).
+    #[arg(long, default_value_t = 600.0)]
+    timeout: f64,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ApiChoice {
+    Auto,
+    Generate,
+    Text,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    check(&args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let report = runtime.block_on(sweep(&args))?;
+    println!("{}", table(&report.points));
+    if let Some(path) = &args.json {
+        report.write_json(path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "kiln bench: {} ({} GPU, scale {})",
+            report.model, args.gpus, args.scale
+        );
+        for f in kiln_workload::plot::write_pareto(&report.points, &title, path)? {
+            eprintln!("wrote {}", f.display());
+        }
+    }
+    Ok(())
+}
+
+fn check(args: &BenchArgs) -> anyhow::Result<()> {
+    if args.sweep.is_empty() || args.sweep.contains(&0) {
+        bail!(
+            "--sweep needs concurrencies of at least 1, got {:?}",
+            args.sweep
+        );
+    }
+    if !(args.duration > 0.0 && args.timeout > 0.0 && args.speedup > 0.0) {
+        bail!("--duration, --timeout and --speedup must be positive");
+    }
+    if !(args.scale > 0.0 && args.scale <= 1.0) {
+        bail!("--scale must be in (0, 1], got {}", args.scale);
+    }
+    if !(args.think_scale >= 0.0) || args.gpus == 0 || args.max_token_id < 3 {
+        bail!("--think-scale must be >= 0, --gpus >= 1 and --max-token-id >= 3");
+    }
+    Ok(())
+}
+
+async fn sweep(args: &BenchArgs) -> anyhow::Result<BenchReport> {
+    let client = connect(args).await?;
+    let range = TokenRange {
+        first: 3,
+        end: args.max_token_id + 1,
+    };
+    let params = WorkloadParams {
+        token_range: range,
+        ..WorkloadParams::default()
+    }
+    .scaled(args.scale)
+    .think_scaled(args.think_scale);
+    let trace = match &args.trace {
+        Some(path) => Some(read_trace(path).with_context(|| "reading the trace")?),
+        None => None,
+    };
+    let generator = SessionGenerator::new(params.clone(), args.seed)?;
+    let concurrencies = if args.trace_clock {
+        vec![0]
+    } else {
+        args.sweep.clone()
+    };
+    let mut points = Vec::new();
+    for (i, &c) in concurrencies.iter().enumerate() {
+        let before = server_counters(&client).await;
+        let counters = Arc::new(Counters::default());
+        let label = if c == 0 {
+            "trace".to_string()
+        } else {
+            format!("c={c}")
+        };
+        let progress = Progress::start(label, duration(args), counters.clone(), args.quiet);
+        let (records, elapsed) = match &trace {
+            Some(trace) => replay_point(args, &client, trace, i as u64, c, counters).await,
+            None => sessions_point(args, &client, &generator, i as u64, c, counters).await,
+        };
+        progress.finish();
+        let mut point = summarize(c, args.gpus, elapsed, &records);
+        if let (Some(b), Some(a)) = (before, server_counters(&client).await) {
+            point.server_cache_hit_rate = a.hit_rate_since(&b);
+        }
+        eprintln!("{}", one_line(&point));
+        for e in &point.error_samples {
+            eprintln!("  error: {e}");
+        }
+        points.push(point);
+    }
+    let workload = match (&args.trace, &trace) {
+        (Some(path), Some(t)) => WorkloadSource::Trace {
+            path: path.display().to_string(),
+            requests: t.len(),
+            timed: args.trace_clock,
+        },
+        _ => WorkloadSource::Sessions { params },
+    };
+    Ok(BenchReport {
+        url: args.url.clone(),
+        model: client.model.clone(),
+        api: client.api.name().to_string(),
+        seed: args.seed,
+        scale: args.scale,
+        duration_s: args.duration,
+        workload,
+        points,
+    })
+}
+
+fn duration(args: &BenchArgs) -> Duration {
+    Duration::from_secs_f64(args.duration)
+}
+
+/// A client with the model and API resolved against the server.
+async fn connect(args: &BenchArgs) -> anyhow::Result<Client> {
+    let timeout = Duration::from_secs_f64(args.timeout);
+    let probe = Client::new(
+        &args.url,
+        Api::Generate,
+        String::new(),
+        args.temperature,
+        timeout,
+    )?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => probe
+            .first_model()
+            .await
+            .unwrap_or_else(|| "default".to_string()),
+    };
+    let api = match args.api {
+        ApiChoice::Generate => Api::Generate,
+        ApiChoice::Text => Api::Text,
+        ApiChoice::Auto if probe.has_generate(3).await => Api::Generate,
+        ApiChoice::Auto => Api::Text,
+    };
+    eprintln!("kiln bench: {} model {model}, api {}", args.url, api.name());
+    Client::new(&args.url, api, model, args.temperature, timeout)
+}
+
+async fn server_counters(client: &Client) -> Option<TokenCounters> {
+    TokenCounters::parse(&client.metrics().await?)
+}
+
+async fn sessions_point(
+    args: &BenchArgs,
+    client: &Client,
+    generator: &SessionGenerator,
+    point: u64,
+    concurrency: u32,
+    counters: Arc<Counters>,
+) -> (Vec<RequestRecord>, f64) {
+    let shared = closed_loop::Shared::new(
+        client.clone(),
+        generator.clone(),
+        point << SESSIONS_PER_POINT_SHIFT,
+        args.sessions.unwrap_or(u64::MAX),
+        duration(args),
+        counters,
+    );
+    closed_loop::run(Arc::new(shared), concurrency).await
+}
+
+async fn replay_point(
+    args: &BenchArgs,
+    client: &Client,
+    trace: &[TraceRequest],
+    point: u64,
+    concurrency: u32,
+    counters: Arc<Counters>,
+) -> (Vec<RequestRecord>, f64) {
+    let range = TokenRange {
+        first: 3,
+        end: args.max_token_id + 1,
+    };
+    let replay = Arc::new(replay::Replay {
+        client: client.clone(),
+        trace: trace.to_vec(),
+        tokenizer: TraceTokenizer::new(args.scale, args.seed.wrapping_add(point), range),
+        counters,
+    });
+    if args.trace_clock {
+        replay::timed(replay, args.speedup, duration(args)).await
+    } else {
+        replay::closed_loop(replay, concurrency, duration(args)).await
+    }
+}
+
+/// A point in one line, printed as the sweep goes.
+fn one_line(p: &PointSummary) -> String {
+    let ttft = p.ttft_s.map_or(f64::NAN, |d| d.p50);
+    let tps = p.output_tps_per_user.map_or(f64::NAN, |d| d.p50);
+    format!(
+        "c={}: {} requests ({} errors), TTFT p50 {ttft:.3}s, {tps:.1} tok/s/user, {:.0} tok/min/GPU, CHR {}",
+        p.concurrency,
+        p.requests,
+        p.errors,
+        p.tokens_per_min_per_gpu,
+        p.cache_hit_rate.map_or("-".into(), |c| format!("{:.1}%", c * 100.0)),
+    )
+}

@@ -1,0 +1,136 @@
+//! `kiln serve`: the OpenAI-compatible server over one engine.
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Args;
+use kiln::cache::CacheKind;
+use kiln::engine::{self, EngineConfig};
+use kiln::model::default_model;
+use kiln::model::tokenizer::TextCodec;
+use kiln::model::Checkpoint;
+use kiln::server::{router, AppState, KimiFormat};
+use kiln_backends::BackendKind;
+
+use super::KvDtype;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// HF model directory (config.json, model*.safetensors, tokenizer.json). Without it,
+    /// kiln serves its embedded default: a tiny model of the same architecture with random
+    /// weights (outputs mean nothing; for trying the API, tests and benchmarks of the engine).
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind (0 picks a free one; the address is printed on stdout).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on the API endpoints (/health and /metrics stay
+    /// open). Also read from KILN_API_KEY.
+    #[arg(long, env = "KILN_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// KV cache storage: bf16, or fp8 (FlashMLA's layout, ~57% of the bytes).
+    #[arg(long, value_enum, default_value_t = KvDtype::Bf16)]
+    kv_cache_dtype: KvDtype,
+    /// Backend: wgpu or cuda (default: KILN_BACKEND, else CUDA when compiled in).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Tokens per KV page (the prefix cache shares whole pages).
+    #[arg(long, default_value_t = 64)]
+    page_size: usize,
+    /// KV pages in the pool (default: free device memory less --memory-reserve-gib on CUDA;
+    /// 64k tokens on wgpu).
+    #[arg(long)]
+    kv_pages: Option<usize>,
+    /// Device memory left free when sizing the KV pool, in GiB.
+    #[arg(long, default_value_t = 4.0)]
+    memory_reserve_gib: f64,
+    /// Token budget of one step: decode tokens plus prefill chunks (chunked prefill).
+    #[arg(long, default_value_t = 2048)]
+    max_batch_tokens: usize,
+    /// Most requests running at once.
+    #[arg(long, default_value_t = 256)]
+    max_running_requests: usize,
+    /// Most requests waiting; beyond it new requests get 503.
+    #[arg(long, default_value_t = 4096)]
+    max_queued_requests: usize,
+    /// Prefix cache: radix (default) or flat (the naive oracle; slow on large caches).
+    #[arg(long, value_enum, default_value_t = CacheKind::Radix)]
+    prefix_cache: CacheKind,
+    /// Model name in the API (default: the directory's name, or kiln-default).
+    #[arg(long)]
+    served_model_name: Option<String>,
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.page_size > 0, "--page-size must be at least 1");
+    anyhow::ensure!(
+        args.max_batch_tokens >= args.max_running_requests && args.max_running_requests > 0,
+        "--max-batch-tokens must be at least --max-running-requests (each runs one token a step)"
+    );
+    let kind = BackendKind::choose(args.backend.as_deref())?;
+    let (dir, name, temporary) = match &args.model {
+        Some(d) => {
+            let name = d
+                .file_name()
+                .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+            (d.clone(), name, false)
+        }
+        None => {
+            let dir = default_model::materialize().context("writing the default model")?;
+            tracing::info!("no --model: serving the embedded default model (random weights)");
+            (dir, default_model::NAME.to_string(), true)
+        }
+    };
+    let ckpt = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+    let codec = TextCodec::from_dir(&dir)?;
+    let cfg = EngineConfig {
+        backend: kind,
+        kv_format: args.kv_cache_dtype.into(),
+        page_size: args.page_size,
+        kv_pages: args.kv_pages,
+        memory_reserve: (args.memory_reserve_gib * (1u64 << 30) as f64) as u64,
+        max_batch_tokens: args.max_batch_tokens,
+        max_running: args.max_running_requests,
+        cache: args.prefix_cache,
+    };
+    let engine = engine::start(cfg, ckpt)?;
+    if temporary {
+        // Loaded onto the device: the files are no longer needed.
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let chat = KimiFormat::new(&codec)
+        .inspect_err(|e| tracing::warn!("chat completions unavailable: {e}"))
+        .ok();
+    let state = Arc::new(AppState {
+        engine,
+        codec: Arc::new(codec),
+        chat,
+        model_name: args.served_model_name.clone().unwrap_or(name),
+        api_key: args.api_key.clone(),
+        max_queue: args.max_queued_requests,
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        let bound = listener.local_addr()?;
+        tracing::info!(model = %state.model_name, device = %state.engine.info.device, "serving");
+        println!("kiln serve listening on http://{bound}");
+        std::io::stdout().flush()?;
+        axum::serve(listener, router(state))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+                tracing::info!("shutting down");
+            })
+            .await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,356 @@
+//! Kimi's chat format (ANCHORS.md): messages and tool declarations rendered to token ids,
+//! and tool calls parsed back out of generated ids into OpenAI `tool_calls`.
+//!
+//! Rendering works on token ids: the format's special tokens go in by id and message text
+//! is encoded as plain text, so a user who types `<|im_end|>` cannot end a turn.
+//!
+//! ```text
+//! <|im_system|>tool_declare<|im_middle|>[tools json]<|im_end|>
+//! <|im_system|>system<|im_middle|>...<|im_end|><|im_user|>user<|im_middle|>...<|im_end|>
+//! <|im_assistant|>assistant<|im_middle|>...<|tool_calls_section_begin|>
+//!   <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>
+//! <|tool_calls_section_end|><|im_end|>
+//! <|im_system|>tool<|im_middle|>## Return of functions.NAME:IDX\n...<|im_end|>
+//! <|im_assistant|>assistant<|im_middle|>            (the generation prompt)
+//! ```
+use serde::{Deserialize, Serialize};
+
+use crate::model::tokenizer::TextCodec;
+
+/// A chat message as OpenAI's API sends it.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+    #[serde(default)]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+}
+
+/// Message content: a string or a list of parts (only text parts are supported).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// An OpenAI tool call.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type", default = "function_type")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+fn function_type() -> String {
+    "function".into()
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct FunctionCall {
+    pub name: String,
+    /// JSON text, as OpenAI sends it.
+    pub arguments: String,
+}
+
+const TOKENS: [&str; 10] = [
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+];
+
+/// The ids of the format's special tokens in one tokenizer.
+#[derive(Clone, Debug)]
+pub struct KimiFormat {
+    end: u32,
+    user: u32,
+    assistant: u32,
+    system: u32,
+    middle: u32,
+    section_begin: u32,
+    section_end: u32,
+    call_begin: u32,
+    argument_begin: u32,
+    call_end: u32,
+}
+
+impl KimiFormat {
+    /// The format over `codec`'s vocabulary; `Err` names the special tokens it lacks.
+    pub fn new(codec: &TextCodec) -> Result<Self, String> {
+        let ids: Vec<Option<u32>> = TOKENS.iter().map(|t| codec.token_id(t)).collect();
+        let missing: Vec<&str> = (TOKENS.iter().zip(&ids))
+            .filter(|(_, id)| id.is_none())
+            .map(|(t, _)| *t)
+            .collect();
+        if !missing.is_empty() {
+            return Err(format!(
+                "the tokenizer lacks Kimi's chat tokens {missing:?}"
+            ));
+        }
+        let id = |i: usize| ids[i].expect("checked above");
+        Ok(KimiFormat {
+            end: id(0),
+            user: id(1),
+            assistant: id(2),
+            system: id(3),
+            middle: id(4),
+            section_begin: id(5),
+            section_end: id(6),
+            call_begin: id(7),
+            argument_begin: id(8),
+            call_end: id(9),
+        })
+    }
+
+    /// Token ids of the conversation followed by the generation prompt.
+    pub fn render(
+        &self,
+        codec: &TextCodec,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<Vec<u32>, String> {
+        let mut ids = Vec::new();
+        let text = |ids: &mut Vec<u32>, s: &str| -> Result<(), String> {
+            ids.extend(codec.encode_plain(s)?);
+            Ok(())
+        };
+        let open = |ids: &mut Vec<u32>, who: u32, role: &str| -> Result<(), String> {
+            ids.push(who);
+            ids.extend(codec.encode_plain(role)?);
+            ids.push(self.middle);
+            Ok(())
+        };
+        if let Some(tools) = tools.filter(|t| t.as_array().is_some_and(|a| !a.is_empty())) {
+            open(&mut ids, self.system, "tool_declare")?;
+            text(&mut ids, &tools.to_string())?;
+            ids.push(self.end);
+        }
+        for (i, m) in messages.iter().enumerate() {
+            let content =
+                content_text(m.content.as_ref()).map_err(|e| format!("messages[{i}]: {e}"))?;
+            match m.role.as_str() {
+                "system" | "developer" => open(&mut ids, self.system, "system")?,
+                "user" => open(&mut ids, self.user, "user")?,
+                "assistant" => open(&mut ids, self.assistant, "assistant")?,
+                "tool" => {
+                    open(&mut ids, self.system, "tool")?;
+                    let call = m.tool_call_id.as_deref().unwrap_or("");
+                    text(&mut ids, &format!("## Return of {call}\n"))?;
+                }
+                other => return Err(format!("messages[{i}]: unknown role `{other}`")),
+            }
+            text(&mut ids, &content)?;
+            if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_empty()) {
+                ids.push(self.section_begin);
+                for c in calls {
+                    ids.push(self.call_begin);
+                    text(&mut ids, &c.id)?;
+                    ids.push(self.argument_begin);
+                    text(&mut ids, &c.function.arguments)?;
+                    ids.push(self.call_end);
+                }
+                ids.push(self.section_end);
+            }
+            ids.push(self.end);
+        }
+        open(&mut ids, self.assistant, "assistant")?;
+        Ok(ids)
+    }
+
+    /// Where the tool-call section starts in generated ids (the content is before it).
+    pub fn section_start(&self, ids: &[u32]) -> Option<usize> {
+        ids.iter().position(|&t| t == self.section_begin)
+    }
+
+    /// The complete tool calls in a generated tool-call section (`ids` from its start).
+    pub fn parse_calls(&self, codec: &TextCodec, ids: &[u32]) -> Vec<ToolCall> {
+        let mut calls = Vec::new();
+        let mut rest = ids;
+        while let Some(b) = rest.iter().position(|&t| t == self.call_begin) {
+            rest = &rest[b + 1..];
+            let Some(a) = rest.iter().position(|&t| t == self.argument_begin) else {
+                break;
+            };
+            let Some(e) = rest[a..].iter().position(|&t| t == self.call_end) else {
+                break;
+            };
+            let id = codec
+                .decode(&rest[..a])
+                .unwrap_or_default()
+                .trim()
+                .to_string();
+            let arguments = codec.decode(&rest[a + 1..a + e]).unwrap_or_default();
+            calls.push(ToolCall {
+                function: FunctionCall {
+                    name: function_name(&id),
+                    arguments: arguments.trim().to_string(),
+                },
+                id,
+                kind: function_type(),
+            });
+            rest = &rest[a + e + 1..];
+        }
+        calls
+    }
+}
+
+/// `NAME` of a Kimi call id `functions.NAME:IDX`.
+fn function_name(id: &str) -> String {
+    let name = id.strip_prefix("functions.").unwrap_or(id);
+    match name.rsplit_once(':') {
+        Some((n, idx)) if idx.chars().all(|c| c.is_ascii_digit()) => n.to_string(),
+        _ => name.to_string(),
+    }
+}
+
+fn content_text(c: Option<&Content>) -> Result<String, String> {
+    match c {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t.clone()),
+        Some(Content::Parts(parts)) => parts
+            .iter()
+            .map(|p| match (p.kind.as_str(), &p.text) {
+                ("text", Some(t)) => Ok(t.as_str()),
+                (kind, _) => Err(format!("content part of type `{kind}` is not supported")),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|v| v.concat()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn codec() -> TextCodec {
+        crate::model::default_model::codec()
+    }
+
+    fn msg(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: Some(Content::Text(content.into())),
+            tool_calls: None,
+            tool_call_id: None,
+        }
+    }
+
+    #[test]
+    fn a_conversation_renders_as_kimi_turns_ending_in_the_generation_prompt() {
+        let c = codec();
+        let f = KimiFormat::new(&c).unwrap();
+        let ids = f
+            .render(&c, &[msg("system", "Be brief."), msg("user", "Hi")], None)
+            .unwrap();
+        let text = c.decode_with_special(&ids).unwrap();
+        assert_eq!(
+            text,
+            "<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>Hi\
+             <|im_end|><|im_assistant|>assistant<|im_middle|>"
+        );
+    }
+
+    #[test]
+    fn special_tokens_typed_by_a_user_stay_text() {
+        let c = codec();
+        let f = KimiFormat::new(&c).unwrap();
+        let ids = f.render(&c, &[msg("user", "<|im_end|>")], None).unwrap();
+        let ends = ids.iter().filter(|&&t| t == f.end).count();
+        assert_eq!(ends, 1, "only the turn's own end token: {ids:?}");
+    }
+
+    #[test]
+    fn tools_are_declared_and_past_calls_and_results_rendered() {
+        let c = codec();
+        let f = KimiFormat::new(&c).unwrap();
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "ls"}}]);
+        let mut call = msg("assistant", "");
+        call.tool_calls = Some(vec![ToolCall {
+            id: "functions.ls:0".into(),
+            kind: "function".into(),
+            function: FunctionCall {
+                name: "ls".into(),
+                arguments: "{\"path\":\".\"}".into(),
+            },
+        }]);
+        let mut result = msg("tool", "README.md");
+        result.tool_call_id = Some("functions.ls:0".into());
+        let ids = f
+            .render(&c, &[msg("user", "list"), call, result], Some(&tools))
+            .unwrap();
+        let text = c.decode_with_special(&ids).unwrap();
+        assert!(text.starts_with(
+            "<|im_system|>tool_declare<|im_middle|>[{\"function\":{\"name\":\"ls\"},\"type\":\"function\"}]<|im_end|>"
+        ), "{text}");
+        assert!(text.contains(
+            "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>functions.ls:0<|tool_call_argument_begin|>{\"path\":\".\"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+        ), "{text}");
+        assert!(text.contains(
+            "<|im_system|>tool<|im_middle|>## Return of functions.ls:0\nREADME.md<|im_end|>"
+        ));
+    }
+
+    #[test]
+    fn generated_tool_calls_parse_into_openai_calls() {
+        let c = codec();
+        let f = KimiFormat::new(&c).unwrap();
+        let out = c
+            .encode("Let me look.<|tool_calls_section_begin|><|tool_call_begin|>functions.read_file:0<|tool_call_argument_begin|>{\"path\": \"a.rs\"}<|tool_call_end|><|tool_call_begin|>functions.ls:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
+            .unwrap();
+        let start = f.section_start(&out).unwrap();
+        assert_eq!(c.decode(&out[..start]).unwrap(), "Let me look.");
+        let calls = f.parse_calls(&c, &out[start..]);
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].id, "functions.read_file:0");
+        assert_eq!(calls[0].function.name, "read_file");
+        assert_eq!(calls[0].function.arguments, "{\"path\": \"a.rs\"}");
+        assert_eq!(calls[1].function.name, "ls");
+    }
+
+    #[test]
+    fn a_call_cut_off_by_max_tokens_is_not_reported() {
+        let c = codec();
+        let f = KimiFormat::new(&c).unwrap();
+        let out = c
+            .encode("<|tool_calls_section_begin|><|tool_call_begin|>functions.ls:0<|tool_call_argument_begin|>{\"pa")
+            .unwrap();
+        assert!(f.parse_calls(&c, &out).is_empty());
+    }
+
+    #[test]
+    fn image_parts_are_refused_with_the_message_index() {
+        let c = codec();
+        let f = KimiFormat::new(&c).unwrap();
+        let m = ChatMessage {
+            content: Some(Content::Parts(vec![ContentPart {
+                kind: "image_url".into(),
+                text: None,
+            }])),
+            ..msg("user", "")
+        };
+        let err = f.render(&c, &[m], None).unwrap_err();
+        assert!(
+            err.contains("messages[0]") && err.contains("image_url"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,134 @@
+//! Generated ids to text, incrementally: each new token yields the text it completes,
+//! holding back bytes that are not yet whole characters and the tail that could still
+//! become a stop string (so a stop string is never streamed, as OpenAI specifies).
+use std::sync::Arc;
+
+use crate::model::tokenizer::TextCodec;
+
+/// Text of a growing list of generated ids.
+pub struct Detokenizer {
+    codec: Arc<TextCodec>,
+    ids: Vec<u32>,
+    stops: Vec<String>,
+    /// Bytes of the text already handed out.
+    sent: usize,
+    /// Set once a stop string appeared: the text ends before it.
+    stopped: bool,
+}
+
+impl Detokenizer {
+    pub fn new(codec: Arc<TextCodec>, stops: Vec<String>) -> Self {
+        Detokenizer {
+            codec,
+            ids: Vec::new(),
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            sent: 0,
+            stopped: false,
+        }
+    }
+
+    /// Whether a stop string ended the text.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Ids pushed so far.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Adds a token; returns the text that is now final. After a stop string, nothing.
+    pub fn push(&mut self, id: u32) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        self.ids.push(id);
+        let text = self.codec.decode(&self.ids).unwrap_or_default();
+        let search_from = floor_char(&text, self.sent.saturating_sub(self.longest_stop()));
+        let stop_at = (self.stops.iter())
+            .filter_map(|s| {
+                text[search_from..]
+                    .find(s.as_str())
+                    .map(|i| search_from + i)
+            })
+            .min();
+        let end = match stop_at {
+            Some(at) => {
+                self.stopped = true;
+                at
+            }
+            None => {
+                // A trailing U+FFFD is a character whose bytes are still coming.
+                let whole = text.trim_end_matches('\u{FFFD}').len();
+                floor_char(
+                    &text,
+                    whole.saturating_sub(self.longest_stop().saturating_sub(1)),
+                )
+            }
+        };
+        self.take(&text, end)
+    }
+
+    /// The text still held back, at the end of the generation.
+    pub fn finish(&mut self) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        let text = self.codec.decode(&self.ids).unwrap_or_default();
+        let end = text.len();
+        self.take(&text, end)
+    }
+
+    fn take(&mut self, text: &str, end: usize) -> String {
+        if end <= self.sent {
+            return String::new();
+        }
+        let out = text[self.sent..end].to_string();
+        self.sent = end;
+        out
+    }
+
+    fn longest_stop(&self) -> usize {
+        self.stops.iter().map(String::len).max().unwrap_or(0)
+    }
+}
+
+/// The largest char boundary of `s` at or below `i`.
+fn floor_char(s: &str, i: usize) -> usize {
+    let mut i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::default_model::codec;
+
+    fn stream(text: &str, stops: &[&str]) -> (Vec<String>, bool) {
+        let c = Arc::new(codec());
+        let ids = c.encode(text).unwrap();
+        let mut d = Detokenizer::new(c.clone(), stops.iter().map(|s| s.to_string()).collect());
+        let mut parts: Vec<String> = ids.iter().map(|&t| d.push(t)).collect();
+        parts.push(d.finish());
+        (parts, d.stopped())
+    }
+
+    #[test]
+    fn the_streamed_pieces_add_up_to_the_whole_text() {
+        let text = "kiln serves coding agents: prefix caching, décodé ✓.";
+        let (parts, stopped) = stream(text, &[]);
+        assert_eq!(parts.concat(), text);
+        assert!(!stopped);
+    }
+
+    #[test]
+    fn text_ends_before_the_first_stop_string_and_none_of_it_is_streamed() {
+        let (parts, stopped) = stream("first line\nsecond STOP third", &["STOP", "third"]);
+        assert_eq!(parts.concat(), "first line\nsecond ");
+        assert!(stopped);
+        assert!(parts.iter().all(|p| !p.contains('S')), "{parts:?}");
+    }
+}

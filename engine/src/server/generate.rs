@@ -1,0 +1,117 @@
+//! SGLang's native `POST /generate`: token ids in (`input_ids`, or `text`), token ids out
+//! (`output_ids`), with `meta_info` counting prompt, cached and completion tokens. When
+//! streaming, every event carries the text and ids so far (SGLang's default), then
+//! `data: [DONE]`.
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::error::{ApiError, ApiJson};
+use super::run::{prepare, sse, start, Outcome, Piece, RawSampling, Stop};
+use super::{session_id, SharedState};
+
+#[derive(Deserialize, Default)]
+pub struct SamplingFields {
+    max_new_tokens: Option<i64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<u64>,
+    stop: Option<Stop>,
+    stop_token_ids: Option<Vec<u32>>,
+    ignore_eos: Option<bool>,
+    n: Option<i64>,
+}
+
+#[derive(Deserialize)]
+pub struct GenerateRequest {
+    input_ids: Option<Vec<u32>>,
+    text: Option<String>,
+    #[serde(default)]
+    sampling_params: SamplingFields,
+    #[serde(default)]
+    stream: bool,
+    /// SGLang's session field; the `x-session-id` header takes precedence.
+    session_id: Option<String>,
+}
+
+fn body(
+    id: &str,
+    text: &str,
+    ids: &[u32],
+    prompt: usize,
+    cached: usize,
+    end: Option<&Outcome>,
+) -> Value {
+    let finish = end.map(|o| json!({"type": o.reason.as_str()}));
+    json!({
+        "text": text,
+        "output_ids": ids,
+        "meta_info": {
+            "id": id,
+            "prompt_tokens": prompt,
+            "completion_tokens": ids.len(),
+            "cached_tokens": end.map_or(cached, |o| o.usage.cached_tokens),
+            "finish_reason": finish,
+        },
+    })
+}
+
+/// `POST /generate`.
+pub async fn generate(
+    State(state): State<SharedState>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<GenerateRequest>,
+) -> Result<Response, ApiError> {
+    let prompt = match (req.input_ids, &req.text) {
+        (Some(ids), None) => ids,
+        (None, Some(t)) => state.encode(t)?,
+        _ => {
+            state.rejected();
+            return Err(ApiError::invalid(
+                "give exactly one of input_ids and text",
+                Some("input_ids"),
+            ));
+        }
+    };
+    let s = req.sampling_params;
+    let raw = RawSampling {
+        max_tokens: s.max_new_tokens,
+        temperature: s.temperature,
+        top_p: s.top_p,
+        seed: s.seed,
+        n: s.n,
+        stop: s.stop,
+        stop_token_ids: s.stop_token_ids,
+        ignore_eos: s.ignore_eos,
+    };
+    let p = prepare(&state, prompt, raw).inspect_err(|_| state.rejected())?;
+    let session = session_id(&headers).or(req.session_id);
+    let mut pieces = start(&state, &p, session)?;
+    let (id, prompt_len) = (p.id.to_string(), p.prompt.len());
+    if req.stream {
+        let mut text = String::new();
+        return Ok(sse(pieces, move |piece, ids| match piece {
+            Err(e) => vec![json!({"error": {"message": e.message, "code": e.code}})],
+            Ok(Piece::Delta { text: t, .. }) => {
+                text.push_str(&t);
+                vec![body(&id, &text, ids, prompt_len, 0, None)]
+            }
+            Ok(Piece::Done(o)) => vec![body(&id, &text, ids, prompt_len, 0, Some(&o))],
+        }));
+    }
+    let mut text = String::new();
+    loop {
+        match pieces.next().await {
+            Some(Ok(Piece::Delta { text: t, .. })) => text.push_str(&t),
+            Some(Ok(Piece::Done(o))) => {
+                let b = body(&id, &text, pieces.ids(), prompt_len, 0, Some(&o));
+                return Ok(Json(b).into_response());
+            }
+            Some(Err(e)) => return Err(e),
+            None => unreachable!("pieces end with Done or an error"),
+        }
+    }
+}

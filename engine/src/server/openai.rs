@@ -1,0 +1,353 @@
+//! OpenAI's `POST /v1/completions` and `POST /v1/chat/completions`, streaming (SSE) or not,
+//! with `usage.prompt_tokens_details.cached_tokens` and, on request (`return_token_ids`),
+//! the prompt's and the completion's token ids (vLLM's field names).
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::chat_format::{ChatMessage, ToolCall};
+use super::error::{ApiError, ApiJson};
+use super::run::{prepare, sse, start, Outcome, Piece, Pieces, RawSampling, Stop};
+use super::{session_id, unix_time, AppState, SharedState};
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// Fields both endpoints share.
+#[derive(Deserialize, Default)]
+pub struct Common {
+    model: Option<String>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<u64>,
+    n: Option<i64>,
+    stop: Option<Stop>,
+    stop_token_ids: Option<Vec<u32>>,
+    ignore_eos: Option<bool>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    return_token_ids: bool,
+    logprobs: Option<Value>,
+}
+
+impl Common {
+    fn sampling(&self) -> RawSampling {
+        RawSampling {
+            max_tokens: self.max_completion_tokens.or(self.max_tokens),
+            temperature: self.temperature,
+            top_p: self.top_p,
+            seed: self.seed,
+            n: self.n,
+            stop: self.stop.clone(),
+            stop_token_ids: self.stop_token_ids.clone(),
+            ignore_eos: self.ignore_eos,
+        }
+    }
+
+    /// Refuses what the server does not do rather than ignoring it silently.
+    fn check(&self, state: &AppState) -> Result<(), ApiError> {
+        state.check_model(self.model.as_deref())?;
+        if self
+            .logprobs
+            .as_ref()
+            .is_some_and(|v| !v.is_null() && v != &json!(false))
+        {
+            return Err(ApiError::invalid(
+                "logprobs are not supported",
+                Some("logprobs"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+}
+
+#[derive(Deserialize)]
+pub struct CompletionRequest {
+    prompt: Prompt,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+pub struct ChatRequest {
+    messages: Vec<ChatMessage>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+fn usage_json(o: &Outcome) -> Value {
+    json!({
+        "prompt_tokens": o.usage.prompt_tokens,
+        "completion_tokens": o.usage.completion_tokens,
+        "total_tokens": o.usage.prompt_tokens + o.usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": o.usage.cached_tokens},
+    })
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<SharedState>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    let c = &req.common;
+    c.check(&state)?;
+    let prompt = match req.prompt {
+        Prompt::Text(t) => state.encode(&t)?,
+        Prompt::Ids(ids) => ids,
+        Prompt::Texts(v) if v.len() == 1 => state.encode(&v[0])?,
+        Prompt::IdLists(v) if v.len() == 1 => v.into_iter().next().expect("one"),
+        _ => {
+            return Err(ApiError::invalid(
+                "exactly one prompt is supported",
+                Some("prompt"),
+            ))
+        }
+    };
+    let p = prepare(&state, prompt, c.sampling()).inspect_err(|_| state.rejected())?;
+    let prompt_ids = p.prompt.clone();
+    let mut pieces = start(&state, &p, session_id(&headers))?;
+    let (id, created, model) = (
+        format!("cmpl-{}", p.id),
+        unix_time(),
+        state.model_name.clone(),
+    );
+    let ids_wanted = c.return_token_ids;
+    if c.stream {
+        let include_usage = c.include_usage();
+        let mut first = true;
+        return Ok(sse(pieces, move |piece, _| {
+            let chunk = |choice: Value| {
+                json!({"id": id, "object": "text_completion", "created": created,
+                       "model": model, "choices": [choice]})
+            };
+            match piece {
+                Err(e) => vec![error_chunk(&e)],
+                Ok(Piece::Delta { text, ids }) => {
+                    let mut choice = json!({"index": 0, "text": text, "finish_reason": null});
+                    if ids_wanted {
+                        choice["token_ids"] = json!(ids);
+                        if std::mem::take(&mut first) {
+                            choice["prompt_token_ids"] = json!(prompt_ids);
+                        }
+                    }
+                    vec![chunk(choice)]
+                }
+                Ok(Piece::Done(o)) => {
+                    let choice =
+                        json!({"index": 0, "text": "", "finish_reason": o.reason.as_str()});
+                    let mut out = vec![chunk(choice)];
+                    if include_usage {
+                        out.push(
+                            json!({"id": id, "object": "text_completion", "created": created,
+                            "model": model, "choices": [], "usage": usage_json(&o)}),
+                        );
+                    }
+                    out
+                }
+            }
+        }));
+    }
+    let (text, outcome) = collect(&mut pieces).await?;
+    let mut choice = json!({"index": 0, "text": text, "finish_reason": outcome.reason.as_str(),
+                            "logprobs": null});
+    if ids_wanted {
+        choice["token_ids"] = json!(pieces.ids());
+        choice["prompt_token_ids"] = json!(prompt_ids);
+    }
+    Ok(Json(json!({
+        "id": id, "object": "text_completion", "created": created, "model": model,
+        "choices": [choice], "usage": usage_json(&outcome),
+    }))
+    .into_response())
+}
+
+/// Runs a generation to its end: the text and how it ended.
+async fn collect(pieces: &mut Pieces) -> Result<(String, Outcome), ApiError> {
+    let mut text = String::new();
+    loop {
+        match pieces.next().await {
+            Some(Ok(Piece::Delta { text: t, .. })) => text.push_str(&t),
+            Some(Ok(Piece::Done(o))) => return Ok((text, o)),
+            Some(Err(e)) => return Err(e),
+            None => unreachable!("pieces end with Done or an error"),
+        }
+    }
+}
+
+fn error_chunk(e: &ApiError) -> Value {
+    json!({"error": {"message": e.message, "code": e.code}})
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(
+    State(state): State<SharedState>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<ChatRequest>,
+) -> Result<Response, ApiError> {
+    let c = &req.common;
+    c.check(&state)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid(
+            "messages must not be empty",
+            Some("messages"),
+        ));
+    }
+    let no_tools = req.tool_choice.as_ref().is_some_and(|t| t == "none");
+    let tools = req.tools.as_ref().filter(|_| !no_tools);
+    let format = state.chat.as_ref().ok_or_else(|| {
+        ApiError::invalid(
+            "this model's tokenizer has no chat format",
+            Some("messages"),
+        )
+    })?;
+    let prompt = format
+        .render(&state.codec, &req.messages, tools)
+        .map_err(|m| ApiError::invalid(m, Some("messages")))
+        .inspect_err(|_| state.rejected())?;
+    let p = prepare(&state, prompt, c.sampling()).inspect_err(|_| state.rejected())?;
+    let prompt_ids = p.prompt.clone();
+    let mut pieces = start(&state, &p, session_id(&headers))?;
+    let (id, created, model) = (
+        format!("chatcmpl-{}", p.id),
+        unix_time(),
+        state.model_name.clone(),
+    );
+    let ids_wanted = c.return_token_ids;
+    let st = state.clone();
+    if c.stream {
+        let include_usage = c.include_usage();
+        let mut first = true;
+        return Ok(sse(pieces, move |piece, all_ids| {
+            let chunk = |delta: Value, finish: Option<&str>| {
+                json!({"id": id, "object": "chat.completion.chunk", "created": created,
+                       "model": model, "choices": [{"index": 0, "delta": delta,
+                       "finish_reason": finish}]})
+            };
+            let fmt = st.chat.as_ref().expect("checked above");
+            match piece {
+                Err(e) => vec![error_chunk(&e)],
+                Ok(Piece::Delta { text, ids }) => {
+                    let in_calls = fmt.section_start(all_ids).is_some();
+                    let mut delta = json!({"content": if in_calls { String::new() } else { text }});
+                    if std::mem::take(&mut first) {
+                        delta["role"] = json!("assistant");
+                        if ids_wanted {
+                            delta["prompt_token_ids"] = json!(prompt_ids);
+                        }
+                    }
+                    if ids_wanted {
+                        delta["token_ids"] = json!(ids);
+                    }
+                    vec![chunk(delta, None)]
+                }
+                Ok(Piece::Done(o)) => {
+                    let calls = tool_calls(&st, all_ids);
+                    let mut out = Vec::new();
+                    let finish = if calls.is_empty() {
+                        o.reason.as_str()
+                    } else {
+                        let indexed: Vec<Value> = (calls.iter().enumerate())
+                            .map(|(i, c)| {
+                                let mut v = json!(c);
+                                v["index"] = json!(i);
+                                v
+                            })
+                            .collect();
+                        out.push(chunk(json!({"tool_calls": indexed}), None));
+                        "tool_calls"
+                    };
+                    out.push(chunk(json!({}), Some(finish)));
+                    if include_usage {
+                        out.push(json!({"id": id, "object": "chat.completion.chunk",
+                            "created": created, "model": model, "choices": [],
+                            "usage": usage_json(&o)}));
+                    }
+                    out
+                }
+            }
+        }));
+    }
+    let (text, outcome) = collect_chat(&mut pieces, &state).await?;
+    let calls = tool_calls(&state, pieces.ids());
+    let mut message = json!({"role": "assistant", "content": text});
+    let finish = if calls.is_empty() {
+        outcome.reason.as_str()
+    } else {
+        message["tool_calls"] = json!(calls);
+        "tool_calls"
+    };
+    let mut choice = json!({"index": 0, "message": message, "finish_reason": finish,
+                            "logprobs": null});
+    if ids_wanted {
+        choice["token_ids"] = json!(pieces.ids());
+    }
+    let mut body = json!({
+        "id": id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [choice], "usage": usage_json(&outcome),
+    });
+    if ids_wanted {
+        body["prompt_token_ids"] = json!(prompt_ids);
+    }
+    Ok(Json(body).into_response())
+}
+
+/// [`collect`] keeping only the text before a tool-call section.
+async fn collect_chat(
+    pieces: &mut Pieces,
+    state: &AppState,
+) -> Result<(String, Outcome), ApiError> {
+    let fmt = state.chat.as_ref().expect("checked by the caller");
+    let mut text = String::new();
+    loop {
+        let in_calls = fmt.section_start(pieces.ids()).is_some();
+        match pieces.next().await {
+            Some(Ok(Piece::Delta { text: t, .. })) if !in_calls => {
+                if fmt.section_start(pieces.ids()).is_none() {
+                    text.push_str(&t);
+                }
+            }
+            Some(Ok(Piece::Delta { .. })) => {}
+            Some(Ok(Piece::Done(o))) => return Ok((text, o)),
+            Some(Err(e)) => return Err(e),
+            None => unreachable!("pieces end with Done or an error"),
+        }
+    }
+}
+
+fn tool_calls(state: &AppState, ids: &[u32]) -> Vec<ToolCall> {
+    let Some(fmt) = state.chat.as_ref() else {
+        return Vec::new();
+    };
+    match fmt.section_start(ids) {
+        Some(at) => fmt.parse_calls(&state.codec, &ids[at..]),
+        None => Vec::new(),
+    }
+}

@@ -1,0 +1,279 @@
+//! One generation as the endpoints share it: sampling parameters checked, the prompt
+//! checked against the model, the request queued (or refused with 503 when the queue is
+//! full), and the engine's events turned into text pieces and a final outcome.
+use std::collections::VecDeque;
+
+use axum::http::StatusCode;
+use serde::Deserialize;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::detok::Detokenizer;
+use super::error::ApiError;
+use super::AppState;
+use crate::scheduler::{Event, FinishReason, SamplingParams, Submission, Usage};
+
+/// `stop`: one string or a list.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+/// Sampling fields as the endpoints receive them (OpenAI and SGLang names).
+#[derive(Clone, Debug, Default)]
+pub struct RawSampling {
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub n: Option<i64>,
+    pub stop: Option<Stop>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: Option<bool>,
+}
+
+/// A request ready for the engine.
+pub struct Prepared {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub stops: Vec<String>,
+}
+
+/// Checks sampling fields and the prompt; picks defaults.
+pub fn prepare(state: &AppState, prompt: Vec<u32>, raw: RawSampling) -> Result<Prepared, ApiError> {
+    let info = &state.engine.info;
+    if raw.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+    }
+    let room = info
+        .context_len
+        .min(info.kv_pages * info.page_size)
+        .saturating_sub(prompt.len());
+    let max_tokens = match raw.max_tokens {
+        None => room.max(1),
+        Some(m) if m < 1 => {
+            return Err(ApiError::invalid(
+                format!("max_tokens must be at least 1, got {m}"),
+                Some("max_tokens"),
+            ))
+        }
+        Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
+    };
+    let temperature = raw.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            format!("temperature must be in [0, 2], got {temperature}"),
+            Some("temperature"),
+        ));
+    }
+    let top_p = raw.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(
+            format!("top_p must be in (0, 1], got {top_p}"),
+            Some("top_p"),
+        ));
+    }
+    info.check(&prompt, max_tokens)
+        .map_err(|m| ApiError::invalid(m, Some("prompt")))?;
+    let id = state.engine.next_id();
+    Ok(Prepared {
+        id,
+        prompt,
+        params: SamplingParams {
+            max_tokens,
+            temperature,
+            top_p,
+            seed: raw.seed.unwrap_or(id),
+            stop_token_ids: raw.stop_token_ids.unwrap_or_default(),
+            ignore_eos: raw.ignore_eos.unwrap_or(false),
+        },
+        stops: raw.stop.map(Stop::into_vec).unwrap_or_default(),
+    })
+}
+
+/// Queues `p`; its events arrive on the returned receiver (dropping it aborts the request).
+pub fn submit(
+    state: &AppState,
+    p: &Prepared,
+    session: Option<String>,
+) -> Result<UnboundedReceiver<Event>, ApiError> {
+    let m = &state.engine.metrics;
+    if m.queued.get() as usize >= state.max_queue {
+        m.requests_rejected.add(1);
+        return Err(ApiError::with_status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "queue_full",
+            format!(
+                "the server's queue is full ({} requests waiting); retry later",
+                state.max_queue
+            ),
+        ));
+    }
+    tracing::info!(id = p.id, session = ?session, prompt_tokens = p.prompt.len(), "request");
+    let (events, rx) = unbounded_channel();
+    state
+        .engine
+        .submit(Submission {
+            id: p.id,
+            prompt: p.prompt.clone(),
+            params: p.params.clone(),
+            session,
+            events,
+        })
+        .map_err(|m| ApiError::with_status(StatusCode::SERVICE_UNAVAILABLE, "engine_stopped", m))?;
+    Ok(rx)
+}
+
+/// What a generation produced so far, piece by piece.
+pub enum Piece {
+    /// New text and the ids it came from.
+    Delta { text: String, ids: Vec<u32> },
+    /// The end.
+    Done(Outcome),
+}
+
+/// How a generation ended.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub reason: FinishReason,
+    pub usage: Usage,
+}
+
+/// Turns engine events into [`Piece`]s with stop strings applied.
+pub struct Pieces {
+    rx: UnboundedReceiver<Event>,
+    detok: Detokenizer,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    ready: VecDeque<Result<Piece, ApiError>>,
+    done: bool,
+}
+
+impl Pieces {
+    pub fn new(rx: UnboundedReceiver<Event>, detok: Detokenizer, prompt_tokens: usize) -> Self {
+        Pieces {
+            rx,
+            detok,
+            prompt_tokens,
+            cached_tokens: 0,
+            ready: VecDeque::new(),
+            done: false,
+        }
+    }
+
+    /// All ids generated so far.
+    pub fn ids(&self) -> &[u32] {
+        self.detok.ids()
+    }
+
+    /// The next piece; `None` after the end. A stop string ends the generation there and
+    /// closes the engine's channel, which aborts the request and frees its pages.
+    pub async fn next(&mut self) -> Option<Result<Piece, ApiError>> {
+        while self.ready.is_empty() && !self.done {
+            let event = self.rx.recv().await;
+            self.take(event);
+        }
+        self.ready.pop_front()
+    }
+
+    fn take(&mut self, event: Option<Event>) {
+        let fail = |status, code, why: String| Err(ApiError::with_status(status, code, why));
+        match event {
+            Some(Event::Admitted { cached_tokens }) => self.cached_tokens = cached_tokens,
+            Some(Event::Token(t)) => {
+                let text = self.detok.push(t);
+                self.ready
+                    .push_back(Ok(Piece::Delta { text, ids: vec![t] }));
+                if self.detok.stopped() {
+                    self.rx.close();
+                    let usage = Usage {
+                        prompt_tokens: self.prompt_tokens,
+                        cached_tokens: self.cached_tokens,
+                        completion_tokens: self.detok.ids().len(),
+                    };
+                    self.end(FinishReason::Stop, usage);
+                }
+            }
+            Some(Event::Finished { reason, usage }) => {
+                let text = self.detok.finish();
+                if !text.is_empty() {
+                    self.ready.push_back(Ok(Piece::Delta { text, ids: vec![] }));
+                }
+                self.end(reason, usage);
+            }
+            Some(Event::Failed(why)) => {
+                self.ready
+                    .push_back(fail(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", why));
+                self.done = true;
+            }
+            None => {
+                let why = "the engine stopped".to_string();
+                self.ready
+                    .push_back(fail(StatusCode::SERVICE_UNAVAILABLE, "engine_stopped", why));
+                self.done = true;
+            }
+        }
+    }
+
+    fn end(&mut self, reason: FinishReason, usage: Usage) {
+        self.ready
+            .push_back(Ok(Piece::Done(Outcome { reason, usage })));
+        self.done = true;
+    }
+}
+
+/// Runs `p` for a client: the pieces of its generation.
+pub fn start(state: &AppState, p: &Prepared, session: Option<String>) -> Result<Pieces, ApiError> {
+    let rx = submit(state, p, session)?;
+    let detok = Detokenizer::new(state.codec.clone(), p.stops.clone());
+    Ok(Pieces::new(rx, detok, p.prompt.len()))
+}
+
+/// A server-sent-event response: `render` turns each piece into JSON chunks; `[DONE]` ends
+/// it. A client that goes away drops the stream, and with it the request.
+pub fn sse<F>(pieces: Pieces, render: F) -> axum::response::Response
+where
+    F: FnMut(Result<Piece, ApiError>, &[u32]) -> Vec<serde_json::Value> + Send + 'static,
+{
+    use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+    use axum::response::IntoResponse;
+    let start = (pieces, render, VecDeque::<String>::new(), false);
+    let stream = futures_util::stream::unfold(
+        start,
+        |(mut pieces, mut render, mut out, mut end)| async move {
+            loop {
+                if let Some(data) = out.pop_front() {
+                    let event = Ok::<_, std::convert::Infallible>(SseEvent::default().data(data));
+                    return Some((event, (pieces, render, out, end)));
+                }
+                if end {
+                    return None;
+                }
+                match pieces.next().await {
+                    Some(piece) => {
+                        let chunks = render(piece, pieces.ids());
+                        out.extend(chunks.iter().map(|c| c.to_string()));
+                    }
+                    None => {
+                        out.push_back("[DONE]".into());
+                        end = true;
+                    }
+                }
+            }
+        },
+    );
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
