@@ -42,6 +42,9 @@ pub enum RouterError {
         /// Why.
         source: std::io::Error,
     },
+    /// The simulator's workload parameters are invalid.
+    #[error("invalid workload: {0}")]
+    Workload(#[from] kiln_workload::error::WorkloadError),
     /// The HTTP client could not be built.
     #[error("cannot build the HTTP client: {0}")]
     Client(#[from] reqwest::Error),

@@ -69,7 +69,7 @@ pub struct KilnParams {
 impl Default for KilnParams {
     fn default() -> Self {
         Self {
-            split_threshold: 4,
+            split_threshold: 3,
             imbalance_threshold: 4,
             kv_weight: 2.0,
             active_window_ms: 120_000,

@@ -14,13 +14,12 @@
 //! this turn's new input.
 
 use super::service::Service;
-use super::workload::{SessionSource, SimSession};
 use super::SimConfig;
-use crate::hashing::mix;
 use crate::placer::{Placer, Scraped};
 use crate::policy::PolicyName;
-use crate::session::SessionKey;
+use crate::session::{session_key, SessionKey};
 use kiln_reference::data::Rng;
+use kiln_workload::session::{Session, SessionGenerator};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -64,7 +63,7 @@ struct SimReplica {
 
 struct Live {
     key: SessionKey,
-    plan: SimSession,
+    plan: Session,
     turn: usize,
     outstanding: usize,
     cached: Vec<(usize, u64)>,
@@ -78,7 +77,7 @@ struct InFlight {
 
 struct Sim<'a> {
     config: &'a SimConfig,
-    source: &'a dyn SessionSource,
+    source: &'a SessionGenerator,
     placer: Placer,
     rng: Rng,
     now: f64,
@@ -96,7 +95,7 @@ struct Sim<'a> {
 }
 
 /// Runs the configured scenario under `policy` with sessions from `source`.
-pub fn run(config: &SimConfig, policy: PolicyName, source: &dyn SessionSource) -> RunStats {
+pub fn run(config: &SimConfig, policy: PolicyName, source: &SessionGenerator) -> RunStats {
     let mut sim = Sim {
         config,
         source,
@@ -203,7 +202,8 @@ impl Sim<'_> {
         let index = self.next_session;
         self.next_session += 1;
         let plan = self.source.session(index);
-        let key = SessionKey(mix(index ^ self.config.seed.rotate_left(17)));
+        // The key the proxy derives from the benchmark's `x-session-id` header.
+        let key = session_key(Some(&plan.id()), b"").expect("a header always gives a key");
         self.sessions.insert(
             index,
             Live {

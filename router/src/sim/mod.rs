@@ -1,7 +1,10 @@
 //! `kiln route --simulate`: every policy on the same seeded scenario, in process.
 //!
 //! The scenario: `replicas` replicas with `sessions_per_replica` closed-loop agent
-//! sessions each (a session that ends is replaced, so the population tracks the target);
+//! sessions each, drawn from the benchmark's seeded generator (`kiln-workload`: shared
+//! system prompt, heavy-tailed inputs and outputs, tool and user think times,
+//! tree-shaped sessions); a session that ends is replaced, so the population tracks the
+//! target;
 //! scale events add or remove replicas (and scale the session target with them, as an
 //! autoscaler would); tree-shaped sessions fan out into concurrent requests. Replicas
 //! follow [`service`]'s model and the router is the real [`crate::placer::Placer`].
@@ -10,12 +13,13 @@
 pub mod engine;
 pub mod report;
 pub mod service;
-pub mod workload;
 
 use crate::policy::{KilnParams, PolicyName};
+use crate::RouterError;
+use kiln_workload::params::WorkloadParams;
+use kiln_workload::session::SessionGenerator;
 pub use report::{PolicyReport, Tails};
 use service::ServiceParams;
-use workload::{BuiltinSessions, SessionSource};
 
 /// A change in the number of replicas at a point in time.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -51,8 +55,8 @@ pub struct SimConfig {
     pub service: ServiceParams,
     /// KV tokens a replica holds (HBM plus host tier) for the KV-usage signal.
     pub kv_capacity_tokens: u64,
-    /// Concurrent requests of a fanned-out turn of a tree-shaped session.
-    pub fanout: (u32, u32),
+    /// The sessions (the benchmark's parameters).
+    pub workload: WorkloadParams,
     /// The `kiln` policy's tunables.
     pub kiln: KilnParams,
 }
@@ -62,7 +66,9 @@ impl SimConfig {
     /// minutes, 15 of warm-up, scale-ups of 10% at minutes 25 and 65 and a scale-down of
     /// 10% at minute 45. Replicas prefill 12k uncached tokens/s and decode 60 tokens/s
     /// per request (a ~100k-token miss costs ~8 s, like a ~500-token answer), run up to
-    /// 8 requests at once and slow by 8% per extra running request.
+    /// 8 requests at once and slow by 8% per extra running request. Sessions are the
+    /// benchmark's defaults (15% tree-shaped, a quarter of their turns fanning out into
+    /// 2 to 4 concurrent requests).
     pub fn scenario(replicas: usize, sessions_per_replica: usize, seed: u64) -> Self {
         let step = (replicas as i32 / 10).max(1);
         Self {
@@ -95,24 +101,20 @@ impl SimConfig {
                 max_running: 8,
             },
             kv_capacity_tokens: 1_000_000,
-            fanout: (2, 8),
+            workload: WorkloadParams::default(),
             kiln: KilnParams::default(),
         }
     }
 }
 
-/// Runs every policy on `config` with the built-in session model and reports each.
-pub fn simulate(config: &SimConfig) -> Vec<PolicyReport> {
-    let source = BuiltinSessions::new(config.seed, config.fanout);
-    simulate_with(config, &source)
-}
-
-/// Runs every policy on `config` with sessions from `source`.
-pub fn simulate_with(config: &SimConfig, source: &dyn SessionSource) -> Vec<PolicyReport> {
-    PolicyName::ALL
+/// Runs every policy on `config` and reports each (an error if the workload parameters
+/// are invalid).
+pub fn simulate(config: &SimConfig) -> Result<Vec<PolicyReport>, RouterError> {
+    let source = SessionGenerator::new(config.workload.clone(), config.seed)?;
+    Ok(PolicyName::ALL
         .iter()
-        .map(|&policy| PolicyReport::from_run(policy, &engine::run(config, policy, source)))
-        .collect()
+        .map(|&policy| PolicyReport::from_run(policy, &engine::run(config, policy, &source)))
+        .collect())
 }
 
 #[cfg(test)]
@@ -139,12 +141,12 @@ mod tests {
     #[test]
     fn a_seed_gives_one_history() {
         let config = small();
-        assert_eq!(simulate(&config), simulate(&config));
+        assert_eq!(simulate(&config).unwrap(), simulate(&config).unwrap());
     }
 
     #[test]
     fn session_affinity_policies_keep_requests_on_their_prefix() {
-        let reports = simulate(&small());
+        let reports = simulate(&small()).unwrap();
         let by = |p: PolicyName| reports.iter().find(|r| r.policy == p).unwrap().clone();
         assert!(by(PolicyName::Random).affinity < 0.5);
         assert!(by(PolicyName::SessionHash).affinity > 0.95);
@@ -153,7 +155,7 @@ mod tests {
 
     #[test]
     fn the_kiln_policy_balances_load_better_than_hashing() {
-        let reports = simulate(&small());
+        let reports = simulate(&small()).unwrap();
         let by = |p: PolicyName| reports.iter().find(|r| r.policy == p).unwrap().clone();
         assert!(by(PolicyName::Kiln).var_over_mean < by(PolicyName::SessionHash).var_over_mean);
     }

@@ -122,9 +122,8 @@ fn load_quantile(histogram: &[u64], q: f64) -> usize {
 }
 
 /// The table, the tails and the targets check, as printed by `kiln route --simulate`.
-pub fn render(reports: &[PolicyReport], replicas: usize, sessions_per_replica: usize) -> String {
+pub fn render(reports: &[PolicyReport]) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "{replicas} replicas x {sessions_per_replica} sessions");
     let _ = writeln!(out, "| policy | var/mean | P(load<=1) | P(load>=12) | affinity | moves/scale event | p99 queue delay |");
     let _ = writeln!(out, "|---|---|---|---|---|---|---|");
     for r in reports {
