@@ -120,6 +120,9 @@ pub struct PointSummary {
     pub cache_hit_rate: Option<f64>,
     /// Completion tokens per speculative verify step, when reported.
     pub accept_len: Option<f64>,
+    /// Cache hit rate from the server's own counters over the point (its Prometheus
+    /// `/metrics`), when it exports them; set by the driver.
+    pub server_cache_hit_rate: Option<f64>,
 }
 
 /// How many error messages a summary keeps.
@@ -166,6 +169,7 @@ pub fn summarize(
         cached_tokens: cached,
         cache_hit_rate: (reported_prompt > 0).then(|| cached as f64 / reported_prompt as f64),
         accept_len: accept_len(&ok),
+        server_cache_hit_rate: None,
     }
 }
 

@@ -3,7 +3,6 @@ use crate::error::WorkloadError;
 use crate::metrics::{Distribution, PointSummary};
 use crate::params::WorkloadParams;
 use serde::{Deserialize, Serialize};
-use std::fmt::Write;
 
 /// Where the requests came from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -57,10 +56,16 @@ impl BenchReport {
     }
 }
 
-/// The summary table: one row per point.
+/// The summary table: one row per point. CHR is the bench's cache hit rate (from the
+/// responses), `server` the server's own over the point, when it exports counters.
 pub fn table(points: &[PointSummary]) -> String {
-    let mut s = format!(
-        "{:>5} {:>6} {:>4} | {:>22} | {:>15} | {:>15} | {:>11} {:>11} | {:>5} {:>6}\n",
+    let row = |c: [&str; 11]| {
+        format!(
+            "{:>5} {:>6} {:>4} | {:>22} | {:>13} | {:>16} | {:>11} {:>11} | {:>6} {:>6} | {:>6}\n",
+            c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10]
+        )
+    };
+    let mut s = row([
         "conc",
         "reqs",
         "err",
@@ -70,8 +75,10 @@ pub fn table(points: &[PointSummary]) -> String {
         "tok/min/GPU",
         "out/min/GPU",
         "CHR",
-        "accept"
-    );
+        "server",
+        "accept",
+    ]);
+    let pct = |r: Option<f64>| r.map_or("-".into(), |c| format!("{:.1}%", c * 100.0));
     for p in points {
         let ttft = three(p.ttft_s, |d| [d.p50, d.p90, d.p99]);
         let e2e = p
@@ -80,24 +87,20 @@ pub fn table(points: &[PointSummary]) -> String {
         let tps = p
             .output_tps_per_user
             .map_or("-".into(), |d| format!("{:.1} (p10 {:.1})", d.p50, d.p10));
-        let chr = p
-            .cache_hit_rate
-            .map_or("-".into(), |c| format!("{:.1}%", c * 100.0));
         let accept = p.accept_len.map_or("-".into(), |a| format!("{a:.2}"));
-        let _ = writeln!(
-            s,
-            "{:>5} {:>6} {:>4} | {:>22} | {:>15} | {:>15} | {:>11} {:>11} | {:>5} {:>6}",
-            p.concurrency,
-            p.requests,
-            p.errors,
-            ttft,
-            e2e,
-            tps,
-            human(p.tokens_per_min_per_gpu),
-            human(p.output_tokens_per_min_per_gpu),
-            chr,
-            accept
-        );
+        s += &row([
+            &p.concurrency.to_string(),
+            &p.requests.to_string(),
+            &p.errors.to_string(),
+            &ttft,
+            &e2e,
+            &tps,
+            &human(p.tokens_per_min_per_gpu),
+            &human(p.output_tokens_per_min_per_gpu),
+            &pct(p.cache_hit_rate),
+            &pct(p.server_cache_hit_rate),
+            &accept,
+        ]);
     }
     s
 }
