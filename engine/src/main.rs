@@ -32,6 +32,15 @@ enum Command {
     /// /v1/completions (streaming), SGLang's /generate (token ids), /v1/models, /health and
     /// Prometheus /metrics. Without --model it serves an embedded tiny model.
     Serve(cli::serve::ServeArgs),
+    /// Route requests over many kiln (or SGLang) replicas behind one endpoint, keeping each
+    /// agent session on the replica that holds its KV cache (`--policy kiln`, the default:
+    /// session affinity, load-aware placement of new sessions, thick sessions split,
+    /// gentle rebalancing on scale-up, drained unhealthy replicas, one retry before the
+    /// first byte; or `session-hash`, `random`). Replicas come from --replica and
+    /// --replicas-file (reloaded on SIGHUP or change). The router serves its own /metrics.
+    /// With --simulate it runs every policy through a seeded simulation of agent sessions
+    /// instead and prints load dispersion, tails, affinity and moves per scale event.
+    Route(cli::route::RouteArgs),
     /// Print the device the chosen backend runs on and what it supports (name, arch,
     /// tensor-core types, bf16 / fp8 / fp4 support).
     Info(cli::info::InfoArgs),
@@ -53,6 +62,7 @@ fn main() -> anyhow::Result<()> {
         Command::Check(args) => cli::check::run(args),
         Command::Generate(args) => cli::generate::run(args),
         Command::Info(args) => cli::info::run(args),
+        Command::Route(args) => cli::route::run(args),
         Command::Serve(args) => cli::serve::run(args),
     }
 }

@@ -3,6 +3,7 @@ pub mod bench;
 pub mod check;
 pub mod generate;
 pub mod info;
+pub mod route;
 pub mod serve;
 
 use kiln_kernels::mla::KvFormat;
