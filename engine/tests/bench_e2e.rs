@@ -1,0 +1,193 @@
+//! `kiln bench` end to end against a real `kiln serve` (the embedded tiny model, on the
+//! CPU): a two-point sweep at small scale for a few seconds writes the JSON with every
+//! metric present and the Pareto chart, and the cache hit rate it reports equals the one
+//! the server's own Prometheus counters give over the same run.
+use kiln_workload::report::BenchReport;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A `kiln serve --port 0` process, killed when dropped; its stderr goes to `log`.
+struct Served {
+    child: Child,
+    url: String,
+    log: PathBuf,
+}
+
+impl Served {
+    fn start(dir: &Path) -> Served {
+        let log = dir.join("serve.log");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["serve", "--port", "0"])
+            .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("kiln serve starts");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|_| panic!("kiln serve never listened; log in {}", log.display()));
+        let url = line
+            .strip_prefix("kiln serve listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_string();
+        Served { child, url, log }
+    }
+
+    /// Prompt and cached token totals from the server's `/metrics`.
+    fn token_counters(&self) -> (f64, f64) {
+        let text = http_get(&format!("{}/metrics", self.url));
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| {
+                    l.strip_prefix(name)?
+                        .strip_prefix(' ')?
+                        .trim()
+                        .parse::<f64>()
+                        .ok()
+                })
+                .unwrap_or_else(|| panic!("{name} missing from /metrics"))
+        };
+        (
+            value("kiln_prompt_tokens_total"),
+            value("kiln_cached_tokens_total"),
+        )
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A plain HTTP/1.1 GET over a loopback socket (the test needs no client library).
+fn http_get(url: &str) -> String {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").expect("http URL");
+    let (host, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let mut s = std::net::TcpStream::connect(host).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).expect("read");
+    body.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
+    let dir = std::env::temp_dir().join(format!("kiln-bench-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let server = Served::start(&dir);
+    let (prompt_before, cached_before) = server.token_counters();
+    let (json, plot) = (dir.join("sweep.json"), dir.join("sweep.svg"));
+    // --api generate: no probe request, so the server counts exactly the bench's requests.
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "bench",
+            "--url",
+            &server.url,
+            "--api",
+            "generate",
+            "--sweep",
+            "1,2",
+        ])
+        .args([
+            "--duration",
+            "4",
+            "--scale",
+            "0.015",
+            "--think-scale",
+            "0.01",
+            "--quiet",
+        ])
+        .args([
+            "--json",
+            json.to_str().unwrap(),
+            "--plot",
+            plot.to_str().unwrap(),
+        ])
+        .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+        .output()
+        .expect("kiln bench runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "kiln bench failed: {stderr}\nserver log {}",
+        server.log.display()
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("TTFT") && table.lines().count() >= 3,
+        "table:\n{table}"
+    );
+
+    let report: BenchReport =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report.model, "kiln-default");
+    assert_eq!(
+        report
+            .points
+            .iter()
+            .map(|p| p.concurrency)
+            .collect::<Vec<_>>(),
+        [1, 2]
+    );
+    for p in &report.points {
+        assert!(
+            p.requests > 0 && p.errors == 0,
+            "c={}: {:?}",
+            p.concurrency,
+            p.error_samples
+        );
+        assert!(p.ttft_s.is_some() && p.e2e_s.is_some() && p.output_tps_per_user.is_some());
+        assert!(p.tokens_per_min_per_gpu > 0.0 && p.output_tokens_per_min_per_gpu > 0.0);
+        assert!(
+            p.server_cache_hit_rate.is_some(),
+            "c={}: no server counters",
+            p.concurrency
+        );
+        let chr = p.cache_hit_rate.expect("cached_tokens reported");
+        // Every turn re-sends the shared system prompt and the session's history.
+        assert!(chr > 0.3, "c={}: cache hit rate {chr}", p.concurrency);
+    }
+
+    let (prompt_after, cached_after) = server.token_counters();
+    let server_chr = (cached_after - cached_before) / (prompt_after - prompt_before);
+    let prompt: u64 = report.points.iter().map(|p| p.prompt_tokens).sum();
+    let cached: u64 = report.points.iter().map(|p| p.cached_tokens).sum();
+    assert_eq!(
+        prompt as f64,
+        prompt_after - prompt_before,
+        "prompt tokens differ from the server's"
+    );
+    let bench_chr = cached as f64 / prompt as f64;
+    assert!(
+        (bench_chr - server_chr).abs() < 1e-9,
+        "bench CHR {bench_chr} vs server {server_chr}"
+    );
+
+    let svg = std::fs::read_to_string(plot.with_extension("svg")).unwrap();
+    assert!(
+        svg.contains("c=1") && svg.contains("c=2"),
+        "points unlabelled in the SVG"
+    );
+    let png = std::fs::read(plot.with_extension("png")).unwrap();
+    assert_eq!(&png[..4], b"\x89PNG");
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
