@@ -1,0 +1,365 @@
+//! `kiln serve` end to end: a real server process (the embedded model on wgpu/llvmpipe in
+//! CI), real HTTP, the `async-openai` client crate and concurrent clients.
+mod common;
+
+use std::time::{Duration, Instant};
+
+use async_openai::config::OpenAIConfig;
+use async_openai::types::chat::{
+    ChatCompletionRequestAssistantMessageArgs, ChatCompletionRequestMessage,
+    ChatCompletionRequestSystemMessageArgs, ChatCompletionRequestUserMessageArgs,
+    CreateChatCompletionRequest, CreateChatCompletionRequestArgs,
+};
+use async_openai::Client;
+use common::server::Server;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+fn client(server: &Server, session: &str) -> Client<OpenAIConfig> {
+    let config = OpenAIConfig::new()
+        .with_api_base(format!("{}/v1", server.url))
+        .with_api_key("unused")
+        .with_header("x-session-id", session)
+        .expect("a valid header");
+    Client::with_config(config)
+}
+
+fn system(text: &str) -> ChatCompletionRequestMessage {
+    ChatCompletionRequestSystemMessageArgs::default()
+        .content(text)
+        .build()
+        .unwrap()
+        .into()
+}
+
+fn user(text: &str) -> ChatCompletionRequestMessage {
+    ChatCompletionRequestUserMessageArgs::default()
+        .content(text)
+        .build()
+        .unwrap()
+        .into()
+}
+
+fn assistant(text: &str) -> ChatCompletionRequestMessage {
+    ChatCompletionRequestAssistantMessageArgs::default()
+        .content(text)
+        .build()
+        .unwrap()
+        .into()
+}
+
+fn greedy(
+    messages: Vec<ChatCompletionRequestMessage>,
+    max_tokens: u32,
+) -> CreateChatCompletionRequest {
+    CreateChatCompletionRequestArgs::default()
+        .messages(messages)
+        .max_tokens(max_tokens)
+        .temperature(0.0)
+        .build()
+        .unwrap()
+}
+
+/// A long shared system prompt, like a coding agent's tool-laden one.
+fn agent_prompt() -> String {
+    "You are a coding agent. Tools: read_file(path), write_file(path, text), run(cmd). ".repeat(24)
+}
+
+/// One agent session: `turns` requests, each re-sending the whole history plus a new user
+/// message. Returns each turn's (request, reply, prompt tokens, cached tokens).
+async fn session(
+    server: &Server,
+    id: usize,
+    turns: usize,
+) -> Vec<(CreateChatCompletionRequest, String, u32, u32)> {
+    let c = client(server, &format!("session-{id}"));
+    let mut history = vec![system(&agent_prompt())];
+    let mut out = Vec::new();
+    for turn in 0..turns {
+        history.push(user(&format!(
+            "Session {id}, step {turn}: fix the failing test."
+        )));
+        let req = greedy(history.clone(), 6);
+        let resp = c.chat().create(req.clone()).await.expect("a completion");
+        let usage = resp.usage.expect("usage");
+        let cached = usage
+            .prompt_tokens_details
+            .and_then(|d| d.cached_tokens)
+            .expect("cached_tokens");
+        let reply = resp.choices[0].message.content.clone().unwrap_or_default();
+        history.push(assistant(&reply));
+        out.push((req, reply, usage.prompt_tokens, cached));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_agent_sessions_hit_the_cache_and_match_running_alone() {
+    let server = Server::start(&["--page-size", "16"]);
+    let runs = futures_util::future::join_all((0..16).map(|i| session(&server, i, 5))).await;
+    let (mut prompt, mut cached) = (0u64, 0u64);
+    for turns in &runs {
+        for (_, _, p, c) in &turns[1..] {
+            prompt += *p as u64;
+            cached += *c as u64;
+        }
+    }
+    let hit_rate = cached as f64 / prompt as f64;
+    assert!(
+        hit_rate > 0.9,
+        "cache hit rate after the first turn: {hit_rate:.3}"
+    );
+    let served = server.metric("kiln_cache_hit_rate").await;
+    assert!(served > 0.5, "the server's own hit rate {served}");
+
+    // The same requests one at a time on a fresh server: the same greedy replies.
+    let alone = Server::start(&["--page-size", "16"]);
+    let c = client(&alone, "alone");
+    for turns in &runs {
+        for (req, reply, _, _) in turns {
+            let resp = c.chat().create(req.clone()).await.expect("a completion");
+            let got = resp.choices[0].message.content.clone().unwrap_or_default();
+            assert_eq!(&got, reply, "batched and alone replies differ");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_deltas_add_up_to_the_non_streamed_reply() {
+    let server = Server::start(&[]);
+    let c = client(&server, "stream");
+    let req = greedy(vec![user("Write a haiku about kilns.")], 24);
+    let whole = c.chat().create(req.clone()).await.unwrap();
+    let whole = whole.choices[0].message.content.clone().unwrap_or_default();
+    let mut stream = c.chat().create_stream(req).await.unwrap();
+    let (mut text, mut finish) = (String::new(), None);
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.expect("a chunk");
+        for choice in chunk.choices {
+            text.push_str(choice.delta.content.as_deref().unwrap_or(""));
+            finish = finish.or(choice.finish_reason);
+        }
+    }
+    assert_eq!(text, whole);
+    assert!(finish.is_some(), "the last chunk says why it finished");
+}
+
+/// Posts JSON (or raw bytes) and returns (status, body).
+async fn post(url: &str, body: impl Into<reqwest::Body>, key: Option<&str>) -> (u16, Value) {
+    let mut req = reqwest::Client::new()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body);
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    let resp = req.send().await.expect("an answer");
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap_or_default();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_the_right_4xx_and_the_server_keeps_serving() {
+    let server = Server::start(&["--api-key", "sesame"]);
+    let chat = format!("{}/v1/chat/completions", server.url);
+    let completions = format!("{}/v1/completions", server.url);
+    let key = Some("sesame");
+    let ok = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let long = "kiln ".repeat(5000);
+    let cases: Vec<(&str, &str, Vec<u8>, Option<&str>, u16)> = vec![
+        (
+            "malformed JSON",
+            &chat,
+            b"{\"messages\": [".to_vec(),
+            key,
+            400,
+        ),
+        (
+            "unknown model",
+            &chat,
+            json!({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]})
+                .to_string()
+                .into_bytes(),
+            key,
+            404,
+        ),
+        (
+            "prompt longer than the context",
+            &completions,
+            json!({"prompt": long, "max_tokens": 1})
+                .to_string()
+                .into_bytes(),
+            key,
+            400,
+        ),
+        (
+            "negative max_tokens",
+            &completions,
+            json!({"prompt": "hi", "max_tokens": -1})
+                .to_string()
+                .into_bytes(),
+            key,
+            400,
+        ),
+        (
+            "huge max_tokens",
+            &completions,
+            json!({"prompt": "hi", "max_tokens": 1u64 << 40})
+                .to_string()
+                .into_bytes(),
+            key,
+            400,
+        ),
+        (
+            "invalid token ids",
+            &completions,
+            json!({"prompt": [1, 2, 100000]}).to_string().into_bytes(),
+            key,
+            400,
+        ),
+        ("a 10 MB body", &completions, vec![b' '; 10 << 20], key, 413),
+        (
+            "wrong API key",
+            &chat,
+            ok.to_string().into_bytes(),
+            Some("open"),
+            401,
+        ),
+        ("no API key", &chat, ok.to_string().into_bytes(), None, 401),
+        (
+            "unknown role",
+            &chat,
+            json!({"messages": [{"role": "wizard", "content": "hi"}]})
+                .to_string()
+                .into_bytes(),
+            key,
+            400,
+        ),
+        (
+            "n = 2",
+            &chat,
+            json!({"messages": [{"role": "user", "content": "hi"}], "n": 2})
+                .to_string()
+                .into_bytes(),
+            key,
+            400,
+        ),
+    ];
+    for (what, url, body, k, want) in cases {
+        let (status, body) = post(url, body, k).await;
+        assert_eq!(status, want, "{what}: {body}");
+        let message = body["error"]["message"].as_str().unwrap_or("");
+        assert!(
+            !message.is_empty(),
+            "{what}: an OpenAI error with a message: {body}"
+        );
+    }
+    let (status, body) = post(&chat, ok.to_string(), key).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_mid_stream_gives_its_kv_pages_back() {
+    let server = Server::start(&[]);
+    assert_eq!(server.metric("kiln_kv_usage").await, 0.0);
+    let body = json!({"prompt": "tell me everything", "max_tokens": 3000, "stream": true,
+                      "ignore_eos": true});
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", server.url))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let mut chunks = resp.bytes_stream();
+    for _ in 0..3 {
+        chunks.next().await.expect("a chunk").expect("bytes");
+    }
+    assert!(
+        server.metric("kiln_kv_usage").await > 0.0,
+        "the request holds pages"
+    );
+    drop(chunks);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (usage, running) = (
+            server.metric("kiln_kv_usage").await,
+            server.metric("kiln_num_running_reqs").await,
+        );
+        if usage == 0.0 && running == 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "KV usage stuck at {usage}, {running} running"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(server.metric("kiln_requests_aborted_total").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_sessions_than_the_pool_holds_all_complete_through_preemption() {
+    // 24 pages of 16 tokens: 384 tokens of KV for 12 requests of ~250 tokens each.
+    let server = Server::start(&["--page-size", "16", "--kv-pages", "24"]);
+    let url = format!("{}/generate", server.url);
+    let requests = (0..12u32).map(|i| {
+        let url = url.clone();
+        async move {
+            let ids: Vec<u32> = (0..150).map(|t| 20 + (t * 7 + i * 13) % 400).collect();
+            let body = json!({"input_ids": ids,
+                              "sampling_params": {"max_new_tokens": 100, "temperature": 0,
+                                                  "ignore_eos": true}});
+            post(&url, body.to_string(), None).await
+        }
+    });
+    for (status, body) in futures_util::future::join_all(requests).await {
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["output_ids"].as_array().map(Vec::len), Some(100));
+    }
+    assert!(server.metric("kiln_preemptions_total").await > 0.0);
+    assert_eq!(server.metric("kiln_kv_usage").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_server_holds_a_thousand_concurrent_streams() {
+    let server = Server::start(&["--max-running-requests", "256"]);
+    let url = format!("{}/v1/completions", server.url);
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let streams = (0..1000u32).map(|i| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let body = json!({"prompt": [3 + i % 400, 7, 9], "max_tokens": 4, "stream": true,
+                              "ignore_eos": true, "temperature": 0});
+            let resp = http.post(&url).json(&body).send().await?;
+            let status = resp.status().as_u16();
+            let text = resp.text().await?;
+            Ok::<_, reqwest::Error>((status, text))
+        }
+    });
+    let results = futures_util::future::join_all(streams).await;
+    let elapsed = start.elapsed();
+    for r in &results {
+        let (status, text) = r.as_ref().expect("no connection error");
+        assert_eq!(*status, 200, "{text}");
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        assert_eq!(
+            text.matches("\"finish_reason\":\"length\"").count(),
+            1,
+            "{text}"
+        );
+    }
+    assert!(
+        elapsed < Duration::from_secs(300),
+        "1,000 streams took {elapsed:?}"
+    );
+    assert_eq!(server.metric("kiln_requests_finished_total").await, 1000.0);
+}
