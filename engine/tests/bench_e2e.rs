@@ -1,7 +1,8 @@
 //! `kiln bench` end to end against a real `kiln serve` (the embedded tiny model, on the
 //! CPU): a two-point sweep at small scale for a few seconds writes the JSON with every
 //! metric present and the Pareto chart, and the cache hit rate it reports equals the one
-//! the server's own Prometheus counters give over the same run.
+//! the server's own Prometheus counters give over the same run. A small Mooncake trace
+//! replays closed-loop and on its clock with the same checks.
 use kiln_workload::report::BenchReport;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -88,13 +89,9 @@ fn http_get(url: &str) -> String {
         .unwrap_or_default()
 }
 
-#[test]
-fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
-    let dir = std::env::temp_dir().join(format!("kiln-bench-e2e-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let server = Served::start(&dir);
-    let (prompt_before, cached_before) = server.token_counters();
-    let (json, plot) = (dir.join("sweep.json"), dir.join("sweep.svg"));
+/// Runs `kiln bench` against `server` at `scale` with `extra` arguments, writing the
+/// report to `json`; panics with its stderr if it fails.
+fn bench(server: &Served, json: &Path, scale: &str, extra: &[&str]) -> std::process::Output {
     // --api generate: no probe request, so the server counts exactly the bench's requests.
     let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args([
@@ -103,32 +100,60 @@ fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
             &server.url,
             "--api",
             "generate",
-            "--sweep",
-            "1,2",
-        ])
-        .args([
-            "--duration",
-            "4",
-            "--scale",
-            "0.015",
-            "--think-scale",
-            "0.01",
             "--quiet",
         ])
-        .args([
-            "--json",
-            json.to_str().unwrap(),
-            "--plot",
-            plot.to_str().unwrap(),
-        ])
+        .args(["--scale", scale, "--json", json.to_str().unwrap()])
+        .args(extra)
         .env("XDG_RUNTIME_DIR", std::env::temp_dir())
         .output()
         .expect("kiln bench runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
+    let log = server.log.display();
     assert!(
         out.status.success(),
-        "kiln bench failed: {stderr}\nserver log {}",
-        server.log.display()
+        "kiln bench failed: {stderr}\nserver log {log}"
+    );
+    out
+}
+
+/// Asserts that the report's prompt and cached tokens are exactly what the server
+/// counted between two readings of its counters.
+fn assert_server_agrees(report: &BenchReport, before: (f64, f64), after: (f64, f64)) {
+    let prompt: u64 = report.points.iter().map(|p| p.prompt_tokens).sum();
+    let cached: u64 = report.points.iter().map(|p| p.cached_tokens).sum();
+    assert_eq!(
+        prompt as f64,
+        after.0 - before.0,
+        "prompt tokens differ from the server's"
+    );
+    let (bench_chr, server_chr) = (
+        cached as f64 / prompt as f64,
+        (after.1 - before.1) / (after.0 - before.0),
+    );
+    assert!(
+        (bench_chr - server_chr).abs() < 1e-9,
+        "bench CHR {bench_chr} vs server {server_chr}"
+    );
+}
+
+fn read_report(json: &Path) -> BenchReport {
+    serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap()
+}
+
+#[test]
+fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
+    let dir = std::env::temp_dir().join(format!("kiln-bench-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let server = Served::start(&dir);
+    let before = server.token_counters();
+    let (json, plot) = (dir.join("sweep.json"), dir.join("sweep.svg"));
+    let plot_args = ["--plot", plot.to_str().unwrap()];
+    let sweep = ["--sweep", "1,2", "--duration", "4", "--think-scale", "0.01"];
+    let out = bench(
+        &server,
+        &json,
+        "0.015",
+        &[&sweep[..], &plot_args[..]].concat(),
     );
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -166,20 +191,7 @@ fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
         assert!(chr > 0.3, "c={}: cache hit rate {chr}", p.concurrency);
     }
 
-    let (prompt_after, cached_after) = server.token_counters();
-    let server_chr = (cached_after - cached_before) / (prompt_after - prompt_before);
-    let prompt: u64 = report.points.iter().map(|p| p.prompt_tokens).sum();
-    let cached: u64 = report.points.iter().map(|p| p.cached_tokens).sum();
-    assert_eq!(
-        prompt as f64,
-        prompt_after - prompt_before,
-        "prompt tokens differ from the server's"
-    );
-    let bench_chr = cached as f64 / prompt as f64;
-    assert!(
-        (bench_chr - server_chr).abs() < 1e-9,
-        "bench CHR {bench_chr} vs server {server_chr}"
-    );
+    assert_server_agrees(&report, before, server.token_counters());
 
     let svg = std::fs::read_to_string(plot.with_extension("svg")).unwrap();
     assert!(
@@ -188,6 +200,69 @@ fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
     );
     let png = std::fs::read(plot.with_extension("png")).unwrap();
     assert_eq!(&png[..4], b"\x89PNG");
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A Mooncake trace of `n` requests, 100 ms apart: four conversations whose turns extend
+/// their previous turn's blocks, behind a shared first block (the system prompt).
+fn mooncake_trace(n: usize) -> String {
+    let mut lines = String::new();
+    for i in 0..n {
+        let (conversation, turn) = (i % 4, i / 4);
+        let mut hash_ids = vec![0u64];
+        hash_ids.extend((0..=turn).map(|t| 1 + (conversation * 100 + t) as u64));
+        let input_length = hash_ids.len() * 512 - 200;
+        lines += &format!(
+            "{{\"timestamp\": {}, \"input_length\": {input_length}, \"output_length\": 300, \"hash_ids\": {hash_ids:?}}}\n",
+            i * 100
+        );
+    }
+    lines
+}
+
+#[test]
+fn a_mooncake_trace_replays_closed_loop_and_on_its_clock() {
+    let dir = std::env::temp_dir().join(format!("kiln-bench-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(&trace, mooncake_trace(24)).unwrap();
+    let server = Served::start(&dir);
+    let trace_args = ["--trace", trace.to_str().unwrap(), "--duration", "3"];
+    for (mode, extra, concurrency) in [
+        ("closed", vec!["--sweep", "2"], 2),
+        ("clock", vec!["--trace-clock", "--speedup", "2"], 0),
+    ] {
+        let json = dir.join(format!("{mode}.json"));
+        let before = server.token_counters();
+        // Scale 1/8: 64-token blocks, the server's page size, so shared blocks are cacheable.
+        bench(
+            &server,
+            &json,
+            "0.125",
+            &[&trace_args[..], &extra[..]].concat(),
+        );
+        let report = read_report(&json);
+        assert_eq!(report.points.len(), 1, "{mode}");
+        let p = &report.points[0];
+        assert_eq!(p.concurrency, concurrency, "{mode}");
+        assert!(
+            p.requests > 0 && p.errors == 0,
+            "{mode}: {:?}",
+            p.error_samples
+        );
+        assert!(
+            p.ttft_s.is_some() && p.output_tps_per_user.is_some(),
+            "{mode}"
+        );
+        // Shared first blocks and growing conversations: most prompt tokens are cached.
+        assert!(
+            p.cache_hit_rate.unwrap() > 0.3,
+            "{mode}: CHR {:?}",
+            p.cache_hit_rate
+        );
+        assert_server_agrees(&report, before, server.token_counters());
+    }
     drop(server);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -238,13 +238,15 @@ async fn connect(args: &BenchArgs) -> anyhow::Result<Client> {
         args.temperature,
         timeout,
     )?;
-    let model = match &args.model {
-        Some(m) => m.clone(),
-        None => probe
-            .first_model()
-            .await
-            .unwrap_or_else(|| "default".to_string()),
-    };
+    let listed = probe
+        .first_model()
+        .await
+        .map_err(|e| anyhow::anyhow!("server not reachable: {e}"))?;
+    let model = args
+        .model
+        .clone()
+        .or(listed)
+        .unwrap_or_else(|| "default".into());
     let api = match args.api {
         ApiChoice::Generate => Api::Generate,
         ApiChoice::Text => Api::Text,

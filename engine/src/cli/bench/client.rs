@@ -197,18 +197,18 @@ impl Client {
         resp.is_ok_and(|r| r.status().is_success())
     }
 
-    /// The first model the server lists at `/v1/models`, if any.
-    pub async fn first_model(&self) -> Option<String> {
-        let v: Value = self
+    /// The first model the server lists at `/v1/models` (`None` if it lists none or has
+    /// no such endpoint); an error when the server can't be reached at all.
+    pub async fn first_model(&self) -> Result<Option<String>, String> {
+        let url = format!("{}/v1/models", self.base);
+        let resp = self
             .http
-            .get(format!("{}/v1/models", self.base))
+            .get(&url)
             .send()
             .await
-            .ok()?
-            .json()
-            .await
-            .ok()?;
-        v["data"][0]["id"].as_str().map(str::to_string)
+            .map_err(|e| format!("{url}: {e}"))?;
+        let v: Value = resp.json().await.unwrap_or_default();
+        Ok(v["data"][0]["id"].as_str().map(str::to_string))
     }
 
     /// The server's Prometheus text at `/metrics`, if it has one.

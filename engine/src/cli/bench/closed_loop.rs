@@ -84,11 +84,21 @@ async fn agent(shared: Arc<Shared>) {
             return;
         }
         let session = shared.generator.session(shared.first_session + n);
-        run_session(&shared, &session).await;
+        if run_session(&shared, &session).await.is_err() {
+            // A server that fails at once would otherwise be hammered in a tight loop.
+            let left = shared.deadline.saturating_duration_since(Instant::now());
+            tokio::time::sleep(left.min(ERROR_BACKOFF)).await;
+        }
     }
 }
 
-async fn run_session(shared: &Shared, s: &Session) {
+/// Pause of an agent whose session ended on a failed request.
+const ERROR_BACKOFF: Duration = Duration::from_millis(500);
+
+/// The main line of a session failed, so it ended early.
+struct SessionFailed;
+
+async fn run_session(shared: &Shared, s: &Session) -> Result<(), SessionFailed> {
     let id = s.id();
     let mut history = History::new(
         shared.client.api == super::client::Api::Generate,
@@ -97,7 +107,7 @@ async fn run_session(shared: &Shared, s: &Session) {
     for (t, turn) in s.turns.iter().enumerate() {
         let think = Duration::from_secs_f64(turn.think_s);
         if Instant::now() + think >= shared.deadline {
-            return;
+            return Ok(());
         }
         tokio::time::sleep(think).await;
         let sends = turn.requests.iter().enumerate().map(|(b, r)| {
@@ -121,11 +131,12 @@ async fn run_session(shared: &Shared, s: &Session) {
             .expect("records lock")
             .extend(results.into_iter().map(|r| r.0));
         if !main_ok {
-            return;
+            return Err(SessionFailed);
         }
         history.extend(&s.new_input_ids(t, 0));
         history.extend_output(&main_output);
     }
+    Ok(())
 }
 
 /// A session's history in the form the API takes.
