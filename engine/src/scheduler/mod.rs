@@ -91,6 +91,11 @@ impl Scheduler {
         self.publish();
     }
 
+    /// Running requests whose next step is a decode (one token).
+    pub fn decoding(&self) -> usize {
+        self.running.iter().filter(|r| r.pending() == 1).count()
+    }
+
     /// Whether nothing is running or waiting.
     pub fn is_idle(&self) -> bool {
         self.running.is_empty() && self.waiting.is_empty()

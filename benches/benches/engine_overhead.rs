@@ -1,0 +1,125 @@
+//! Host-side engine overhead (criterion, CPU only): the prefix cache's match + insert of a
+//! 100k-token request among 1,000 cached sessions, and one scheduling step of 256 running
+//! decode requests. Targets (issue 5): < 1 ms and < 200 us, so a GPU step of a few
+//! milliseconds never waits on the host.
+//!
+//! Sessions share an 8k-token system prompt and then diverge; each timed request is one
+//! session's next turn (its cached history plus 512 new tokens), so the tree grows as a
+//! real agent workload's does. The scheduling step samples from 64-wide logits: sampling
+//! over a full vocabulary is the device's job, not the scheduler's (see RESULTS.md).
+use std::sync::Arc;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use kiln::cache::{PagePool, PrefixCache, RadixCache};
+use kiln::metrics::Metrics;
+use kiln::scheduler::{SamplingParams, Scheduler, SchedulerConfig, Submission};
+use kiln_reference::data::Rng;
+
+const PAGE: usize = 64;
+const SESSIONS: usize = 1000;
+const SHARED: usize = 8192;
+const CONTEXT: usize = 100_000;
+const TURN: usize = 512;
+
+fn tokens(rng: &mut Rng, n: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.below(160_000) as u32).collect()
+}
+
+/// A cache of `SESSIONS` 100k-token sessions and each session's tokens.
+fn cached_sessions() -> (RadixCache, PagePool, Vec<Vec<u32>>) {
+    let mut rng = Rng::new(7);
+    let system = tokens(&mut rng, SHARED);
+    let budget = SESSIONS * (CONTEXT / PAGE + 2 * TURN);
+    let (mut cache, mut pool) = (RadixCache::new(PAGE), PagePool::new(budget));
+    let sessions: Vec<Vec<u32>> = (0..SESSIONS)
+        .map(|_| {
+            let mut s = system.clone();
+            s.extend(tokens(&mut rng, CONTEXT - SHARED));
+            serve(&mut cache, &mut pool, &s);
+            s
+        })
+        .collect();
+    (cache, pool, sessions)
+}
+
+/// One request as the scheduler runs it against the cache: lookup, new pages for the rest,
+/// insert, release.
+fn serve(cache: &mut RadixCache, pool: &mut PagePool, request: &[u32]) -> usize {
+    let hit = cache.lookup(request);
+    pool.retain(&hit);
+    let full = request.len() / PAGE;
+    let new = pool.alloc(full - hit.len()).expect("the pool is sized for the run");
+    let pages: Vec<u32> = hit.iter().chain(&new).copied().collect();
+    cache.insert(&request[..full * PAGE], &pages, pool);
+    pool.release(&pages);
+    hit.len()
+}
+
+fn radix(c: &mut Criterion) {
+    let (mut cache, mut pool, mut sessions) = cached_sessions();
+    let mut rng = Rng::new(11);
+    let mut next = 0;
+    c.bench_function("radix match+insert, 100k-token turn among 1000 sessions", |b| {
+        b.iter_batched(
+            || {
+                let s = &mut sessions[next % SESSIONS];
+                next += 1;
+                s.extend(tokens(&mut rng, TURN));
+                s.clone()
+            },
+            |request| serve(&mut cache, &mut pool, &request),
+            BatchSize::LargeInput,
+        )
+    });
+}
+
+fn scheduling(c: &mut Criterion) {
+    const VOCAB: usize = 64;
+    let cfg = SchedulerConfig {
+        page_size: PAGE,
+        max_batch_tokens: 2048,
+        max_running: 256,
+        context_len: 1 << 20,
+        eos_token_ids: vec![],
+    };
+    let metrics = Arc::new(Metrics::default());
+    let cache = Box::new(RadixCache::new(PAGE));
+    // Room for every request to grow by criterion's iterations without preemption.
+    let mut sched = Scheduler::new(cfg, 256 * 4096, cache, metrics);
+    let mut rng = Rng::new(3);
+    let mut receivers = Vec::new();
+    for id in 0..256 {
+        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+        receivers.push(rx);
+        sched.add(Submission {
+            id,
+            prompt: tokens(&mut rng, 2000).iter().map(|t| t % VOCAB as u32).collect(),
+            params: SamplingParams {
+                max_tokens: 1 << 20,
+                ..SamplingParams::default()
+            },
+            session: None,
+            events,
+        });
+    }
+    // Prefill everyone (2048-token steps) until all 256 decode.
+    let logits = vec![0.5f32; 256 * VOCAB];
+    while sched.decoding() < 256 {
+        let step = sched.schedule().expect("work");
+        let rows = step.batch.requests.len();
+        sched.complete(step, &logits[..rows * VOCAB], VOCAB);
+    }
+    c.bench_function("scheduling step, 256 running decode requests", |b| {
+        b.iter(|| {
+            let step = sched.schedule().expect("work");
+            assert_eq!(step.batch.requests.len(), 256, "{}", sched.describe());
+            sched.complete(step, &logits, VOCAB);
+            for rx in &mut receivers {
+                while rx.try_recv().is_ok() {}
+            }
+        })
+    });
+}
+
+criterion_group!(benches, radix, scheduling);
+criterion_main!(benches);
