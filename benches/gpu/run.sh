@@ -6,6 +6,8 @@
 #   benches/gpu/run.sh run     # on the GPU machine, from the repo root: runs them,
 #                                      # logs and JSON into $OUT (or gpu-results/)
 #   benches/gpu/run.sh bench   # the benchmarks alone
+#   benches/gpu/run.sh serve   # kiln serve (embedded model) on CUDA: a chat completion,
+#                                      # then a kiln bench sweep against it
 #
 # Built with `--no-default-features --features cuda` so the binaries need neither Vulkan
 # nor a display on the GPU machine; a separate target dir keeps the wgpu build intact.
@@ -54,8 +56,24 @@ case "${1:-}" in
     mkdir -p "$out"
     bench
     ;;
+  serve)
+    mkdir -p "$out"
+    export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+    .gpu/kiln serve --backend cuda --port 8765 > "$out/serve.out" 2> "$out/serve.log" &
+    pid=$!
+    trap 'kill $pid 2>/dev/null || true' EXIT
+    for _ in $(seq 180); do curl -sf localhost:8765/health >/dev/null && break; sleep 1; done
+    curl -s localhost:8765/v1/chat/completions -H 'content-type: application/json' \
+      -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}' | tee "$out/chat.json"
+    echo
+    .gpu/kiln bench --url http://127.0.0.1:8765 --sweep "${SWEEP:-1,4,16,64}" \
+      --duration "${DURATION:-20}" --scale "${SCALE:-0.03}" --think-scale 0 \
+      --json "$out/bench.json" --plot "$out/pareto.svg" 2>&1 | tee "$out/bench.log"
+    curl -s localhost:8765/metrics > "$out/metrics.txt"
+    grep -E "^kiln_(cache_hit_rate|prompt_tokens_total|cached_tokens_total|generation_tokens_total|preemptions_total|steps_total)" "$out/metrics.txt"
+    ;;
   *)
-    echo "usage: $0 build|run|bench" >&2
+    echo "usage: $0 build|run|bench|serve" >&2
     exit 2
     ;;
 esac

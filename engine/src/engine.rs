@@ -3,6 +3,10 @@
 //! (tokens, then the end) go back over its own channel, so the server never blocks on the
 //! device and the device never waits on a client. A client that drops its receiver is
 //! aborted before the next step and its pages are freed.
+//!
+//! Room for tensor parallelism: the loop is "schedule, run the step, complete"; with N
+//! shards the step becomes N shard steps issued in lockstep on the same `Batch` (one
+//! thread per GPU, all-reduce inside the forward pass), and only rank 0's logits are read.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -207,6 +211,8 @@ impl BackendVisitor for Runner {
             }
             sched.abort_cancelled();
             let Some(step) = sched.schedule() else {
+                // Waiting requests that cannot start yet: wait for new work, not spin.
+                std::thread::sleep(Duration::from_millis(1));
                 continue;
             };
             match model.step(&step.batch, &pool) {

@@ -363,3 +363,33 @@ async fn the_server_holds_a_thousand_concurrent_streams() {
     );
     assert_eq!(server.metric("kiln_requests_finished_total").await, 1000.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_server_answers_503_and_serves_again_once_it_drains() {
+    let server = Server::start(&["--max-running-requests", "1", "--max-queued-requests", "1"]);
+    let url = format!("{}/v1/completions", server.url);
+    let body = json!({"prompt": "busy", "max_tokens": 150, "ignore_eos": true}).to_string();
+    let burst = (0..6).map(|_| post(&url, body.clone(), None));
+    let results = futures_util::future::join_all(burst).await;
+    let status = |code| results.iter().filter(|(s, _)| *s == code).count();
+    assert_eq!((status(200), status(503)), (2, 4), "one running, one waiting: {results:?}");
+    let (_, refused) = results.iter().find(|(s, _)| *s == 503).unwrap();
+    assert!(refused["error"]["message"].as_str().unwrap().contains("full"), "{refused}");
+    let (status, body) = post(&url, json!({"prompt": "again", "max_tokens": 2}).to_string(), None).await;
+    assert_eq!(status, 200, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_seed_samples_the_same_completion() {
+    let server = Server::start(&[]);
+    let url = format!("{}/generate", server.url);
+    let sample = |seed: u64| {
+        let body = json!({"input_ids": [5, 6, 7, 8],
+                          "sampling_params": {"max_new_tokens": 24, "temperature": 1.0,
+                                              "top_p": 0.9, "seed": seed, "ignore_eos": true}});
+        post(&url, body.to_string(), None)
+    };
+    let (a, b, c) = (sample(7).await, sample(7).await, sample(8).await);
+    assert_eq!(a.1["output_ids"], b.1["output_ids"]);
+    assert_ne!(a.1["output_ids"], c.1["output_ids"], "another seed, another sample");
+}

@@ -111,7 +111,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         chat,
         model_name: args.served_model_name.clone().unwrap_or(name),
         api_key: args.api_key.clone(),
-        max_queue: args.max_queued_requests,
+        max_outstanding: args.max_running_requests + args.max_queued_requests,
+        outstanding: Default::default(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

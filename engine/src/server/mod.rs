@@ -11,6 +11,7 @@ mod generate;
 mod openai;
 mod run;
 
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -38,8 +39,10 @@ pub struct AppState {
     pub chat: Option<KimiFormat>,
     pub model_name: String,
     pub api_key: Option<String>,
-    /// Waiting requests beyond which new ones get 503.
-    pub max_queue: usize,
+    /// Requests the server holds at once (running plus waiting); beyond it new ones get 503.
+    pub max_outstanding: usize,
+    /// Requests held now (each releases its slot when its generation is dropped).
+    pub outstanding: Arc<AtomicUsize>,
 }
 
 pub type SharedState = Arc<AppState>;

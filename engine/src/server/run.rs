@@ -2,6 +2,8 @@
 //! checked against the model, the request queued (or refused with 503 when the queue is
 //! full), and the engine's events turned into text pieces and a final outcome.
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use axum::http::StatusCode;
 use serde::Deserialize;
@@ -102,24 +104,43 @@ pub fn prepare(state: &AppState, prompt: Vec<u32>, raw: RawSampling) -> Result<P
     })
 }
 
+/// A request's place in the server's bound on outstanding requests, given back on drop.
+pub struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    /// A slot, or `None` if `limit` requests are already outstanding.
+    fn take(count: &Arc<AtomicUsize>, limit: usize) -> Option<Slot> {
+        let taken = count.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < limit).then_some(n + 1)
+        });
+        taken.ok().map(|_| Slot(count.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Queues `p`; its events arrive on the returned receiver (dropping it aborts the request).
+/// 503 when the server already holds its limit of running plus waiting requests.
 pub fn submit(
     state: &AppState,
     p: &Prepared,
     session: Option<String>,
-) -> Result<UnboundedReceiver<Event>, ApiError> {
-    let m = &state.engine.metrics;
-    if m.queued.get() as usize >= state.max_queue {
-        m.requests_rejected.add(1);
+) -> Result<(Slot, UnboundedReceiver<Event>), ApiError> {
+    let Some(slot) = Slot::take(&state.outstanding, state.max_outstanding) else {
+        state.engine.metrics.requests_rejected.add(1);
         return Err(ApiError::with_status(
             StatusCode::SERVICE_UNAVAILABLE,
             "queue_full",
             format!(
-                "the server's queue is full ({} requests waiting); retry later",
-                state.max_queue
+                "the server is full ({} requests running or waiting); retry later",
+                state.max_outstanding
             ),
         ));
-    }
+    };
     tracing::info!(id = p.id, session = ?session, prompt_tokens = p.prompt.len(), "request");
     let (events, rx) = unbounded_channel();
     state
@@ -132,7 +153,7 @@ pub fn submit(
             events,
         })
         .map_err(|m| ApiError::with_status(StatusCode::SERVICE_UNAVAILABLE, "engine_stopped", m))?;
-    Ok(rx)
+    Ok((slot, rx))
 }
 
 /// What a generation produced so far, piece by piece.
@@ -152,6 +173,7 @@ pub struct Outcome {
 
 /// Turns engine events into [`Piece`]s with stop strings applied.
 pub struct Pieces {
+    _slot: Slot,
     rx: UnboundedReceiver<Event>,
     detok: Detokenizer,
     prompt_tokens: usize,
@@ -161,8 +183,9 @@ pub struct Pieces {
 }
 
 impl Pieces {
-    pub fn new(rx: UnboundedReceiver<Event>, detok: Detokenizer, prompt_tokens: usize) -> Self {
+    pub fn new(slot: Slot, rx: UnboundedReceiver<Event>, detok: Detokenizer, prompt_tokens: usize) -> Self {
         Pieces {
+            _slot: slot,
             rx,
             detok,
             prompt_tokens,
@@ -235,9 +258,9 @@ impl Pieces {
 
 /// Runs `p` for a client: the pieces of its generation.
 pub fn start(state: &AppState, p: &Prepared, session: Option<String>) -> Result<Pieces, ApiError> {
-    let rx = submit(state, p, session)?;
+    let (slot, rx) = submit(state, p, session)?;
     let detok = Detokenizer::new(state.codec.clone(), p.stops.clone());
-    Ok(Pieces::new(rx, detok, p.prompt.len()))
+    Ok(Pieces::new(slot, rx, detok, p.prompt.len()))
 }
 
 /// A server-sent-event response: `render` turns each piece into JSON chunks; `[DONE]` ends
