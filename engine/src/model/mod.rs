@@ -5,6 +5,7 @@ pub mod config;
 pub mod default_model;
 pub mod gpu;
 pub mod tokenizer;
+pub mod tp;
 pub mod weights;
 
 pub use config::{ModelSpec, QuantMethod};

@@ -302,3 +302,137 @@ impl<R: Runtime> GpuModel<R> {
         Ok(())
     }
 }
+
+/// One tensor-parallel rank's share of a step, run piece by piece so that the caller
+/// (`crate::model::tp`) can all-reduce between the pieces: [`GpuModel::rank_step`] plans the
+/// batch and embeds its tokens into `residual`; per layer, [`RankStep::attention`] and
+/// [`RankStep::ffn`] each write this rank's partial block output into `delta`;
+/// [`RankStep::logits`] applies the final norm and lm_head. Between pieces the caller replaces
+/// `residual` (after embedding) and `delta` (after each block) with their sums over the
+/// ranks; with those sums being the identity (one rank), the kernels are those of
+/// [`GpuModel::step`] in the same order.
+pub(crate) struct RankStep<'a, R: Runtime> {
+    model: &'a GpuModel<R>,
+    pool: &'a KvPool,
+    plan: Plan,
+    /// The residual stream; right after [`GpuModel::rank_step`], this rank's partial embedding.
+    pub(crate) residual: DeviceArray<f32>,
+    /// The output of the last attention or FFN block: this rank's partial sum until reduced.
+    pub(crate) delta: DeviceArray<f32>,
+    /// The normalised input of the next block.
+    x: DeviceArray<f32>,
+}
+
+impl<R: Runtime> GpuModel<R> {
+    /// Starts this rank's share of a step: plans `batch` against `pool` (one cache per layer)
+    /// and embeds its tokens into [`RankStep::residual`].
+    pub(crate) fn rank_step<'a>(
+        &'a self,
+        batch: &Batch,
+        pool: &'a KvPool,
+    ) -> Result<RankStep<'a, R>, ModelError> {
+        let c = &self.config;
+        let plan = batch.plan(&self.client, c.vocab_size, pool)?;
+        let len = plan.num_tokens * c.hidden_size;
+        let residual = self.scratch(len);
+        self.launched(embedding(
+            &self.client,
+            &self.embed,
+            c.vocab_size,
+            c.hidden_size,
+            &plan.tokens,
+            &residual,
+        ))?;
+        Ok(RankStep {
+            model: self,
+            pool,
+            plan,
+            residual,
+            delta: self.scratch(len),
+            x: self.scratch(len),
+        })
+    }
+}
+
+impl<R: Runtime> RankStep<'_, R> {
+    /// Layer `layer`'s input norm (adding `delta` to the residual first, except at layer 0)
+    /// and its attention over this rank's heads, into `delta`.
+    pub(crate) fn attention(&self, layer: usize) -> Result<(), ModelError> {
+        let (m, t) = (self.model, self.plan.num_tokens);
+        let (l, eps) = (&m.layers[layer], m.config.rms_norm_eps as f32);
+        if layer == 0 {
+            m.launched(rmsnorm(
+                &m.client,
+                &self.residual,
+                t,
+                &l.input_norm,
+                eps,
+                &self.x,
+            ))?;
+        } else {
+            m.launched(add_rmsnorm(
+                &m.client,
+                &self.residual,
+                &self.delta,
+                t,
+                &l.input_norm,
+                eps,
+                &self.x,
+            ))?;
+        }
+        m.attention(
+            &l.attn,
+            &self.x,
+            &self.plan,
+            &self.pool.caches[layer],
+            &self.delta,
+        )
+    }
+
+    /// Layer `layer`'s post-attention norm (after adding `delta`) and its MLP or MoE over
+    /// this rank's slice of the intermediate width, into `delta`.
+    pub(crate) fn ffn(&self, layer: usize) -> Result<(), ModelError> {
+        let (m, t) = (self.model, self.plan.num_tokens);
+        let (l, eps) = (&m.layers[layer], m.config.rms_norm_eps as f32);
+        m.launched(add_rmsnorm(
+            &m.client,
+            &self.residual,
+            &self.delta,
+            t,
+            &l.post_norm,
+            eps,
+            &self.x,
+        ))?;
+        match &l.ffn {
+            Ffn::Dense(mlp) => m.mlp(mlp, &self.x, t, &self.delta),
+            Ffn::Moe(moe) => m.moe(moe, &self.x, t, &self.delta),
+        }
+    }
+
+    /// The final norm (after adding `delta`) and lm_head over this rank's vocabulary rows:
+    /// `[rows, vocab]`, a row per token or per request as the batch's `logits` asks.
+    pub(crate) fn logits(self) -> Result<Vec<f32>, ModelError> {
+        let (m, t) = (self.model, self.plan.num_tokens);
+        let (cl, c) = (&m.client, &m.config);
+        m.launched(add_rmsnorm(
+            cl,
+            &self.residual,
+            &self.delta,
+            t,
+            &m.norm,
+            c.rms_norm_eps as f32,
+            &self.x,
+        ))?;
+        let (rows, x) = match &self.plan.last_rows {
+            Some(last) => {
+                let picked = m.scratch(last.len() * c.hidden_size);
+                m.launched(gather_rows(cl, &self.x, c.hidden_size, last, &picked))?;
+                (last.len(), picked)
+            }
+            None => (t, self.x),
+        };
+        let logits = m.scratch(rows * c.vocab_size);
+        m.launched(m.lm_head.apply(cl, &x, rows, &logits))?;
+        Ok(logits.read(cl))
+    }
+}

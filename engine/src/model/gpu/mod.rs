@@ -20,10 +20,37 @@ use kiln_reference::model::ModelConfig;
 use kiln_reference::rope::{cos_sin_scale, inv_freq, softmax_scale};
 
 pub use batch::{Batch, KvPool, LogitRows, RequestSlice, StepOutput};
+pub(crate) use forward::RankStep;
 use upload::{vector, DeviceLinear};
 
-use super::weights::{needed_tensors, progress_bar, Checkpoint, LoadError};
+use super::weights::{needed_tensors, progress_bar, Checkpoint, LoadError, LoadedWeight};
 use indicatif::ProgressBar;
+use kiln_reference::model::Tensor;
+
+/// Where [`GpuModel::load_from`] reads named weights: a checkpoint, or one tensor-parallel
+/// rank's slice of it (`crate::model::tp`).
+pub(crate) trait WeightSource {
+    /// The architecture the weights are for.
+    fn config(&self) -> &ModelConfig;
+    /// A plain (never quantized) tensor, checked against `shape`.
+    fn plain(&self, name: &str, shape: &[usize]) -> Result<Tensor, LoadError>;
+    /// A linear weight `[out, in]`, in whichever format it is stored.
+    fn linear(&self, name: &str, shape: [usize; 2]) -> Result<LoadedWeight, LoadError>;
+}
+
+impl WeightSource for Checkpoint {
+    fn config(&self) -> &ModelConfig {
+        &self.spec.arch
+    }
+
+    fn plain(&self, name: &str, shape: &[usize]) -> Result<Tensor, LoadError> {
+        Checkpoint::plain(self, name, shape)
+    }
+
+    fn linear(&self, name: &str, shape: [usize; 2]) -> Result<LoadedWeight, LoadError> {
+        Checkpoint::linear(self, name, shape)
+    }
+}
 
 /// Why the device model cannot be built or run.
 #[derive(Debug, thiserror::Error)]
@@ -110,7 +137,15 @@ pub struct GpuModel<R: Runtime> {
 impl<R: Runtime> GpuModel<R> {
     /// Uploads every weight of `ckpt` to the device of `client`.
     pub fn load(client: ComputeClient<R>, ckpt: &Checkpoint) -> Result<Self, ModelError> {
-        let c = ckpt.spec.arch.clone();
+        Self::load_from(client, ckpt)
+    }
+
+    /// Uploads every weight `ckpt.config()` names, read from `ckpt`.
+    pub(crate) fn load_from(
+        client: ComputeClient<R>,
+        ckpt: &impl WeightSource,
+    ) -> Result<Self, ModelError> {
+        let c = ckpt.config().clone();
         if c.kv_lora_rank != 512 || c.qk_rope_head_dim != 64 {
             return Err(ModelError::Unsupported(format!(
                 "kv_lora_rank {} / qk_rope_head_dim {} (the MLA kernels take 512 / 64)",
@@ -244,7 +279,7 @@ impl<R: Runtime> GpuModel<R> {
 }
 
 fn load_moe<R: Runtime>(
-    ckpt: &Checkpoint,
+    ckpt: &impl WeightSource,
     cl: &ComputeClient<R>,
     p: &str,
     c: &ModelConfig,
@@ -281,7 +316,7 @@ fn load_moe<R: Runtime>(
     let router = ckpt.plain(&format!("{p}.mlp.gate.weight"), &[e, h])?;
     bar.inc(2);
     Ok(Moe {
-        router: DeviceLinear::upload(cl, &super::weights::LoadedWeight::Dense(router)),
+        router: DeviceLinear::upload(cl, &LoadedWeight::Dense(router)),
         bias: vector(
             cl,
             &ckpt.plain(&format!("{p}.mlp.gate.e_score_correction_bias"), &[e])?,
