@@ -41,7 +41,14 @@ Without --trace, each concurrent user runs generated coding-agent sessions (a sh
 system prompt with tool definitions, turns that re-send the whole history plus a tool
 result or user message, think times between turns, some sessions fanning out into
 concurrent requests), one session after another, for --duration seconds per point.
-Full scale (--scale 1) is about 100k input and 500 output tokens per request.")]
+Full scale (--scale 1) is about 100k input and 500 output tokens per request; sessions
+end before they outgrow the model's context (max_model_len from /v1/models).
+
+Per point: TTFT p50/p90/p99; output tokens/s per user after the first token (median, p10);
+end-to-end latency; tokens/min per GPU (prompt + output, and output alone, over the
+point's wall time divided by --gpus); cache hit rate (cached_tokens / prompt_tokens as
+the responses report them, and from the server's own /metrics counters when it exports
+kiln's or SGLang's); speculative accept length (SGLang's spec_verify_ct); errors.")]
 pub struct BenchArgs {
     /// Base URL of the server, e.g. http://127.0.0.1:30000.
     #[arg(long)]
@@ -158,22 +165,30 @@ fn check(args: &BenchArgs) -> anyhow::Result<()> {
 }
 
 async fn sweep(args: &BenchArgs) -> anyhow::Result<BenchReport> {
-    let client = connect(args).await?;
+    let (client, context) = connect(args).await?;
     let range = TokenRange {
         first: 3,
         end: args.max_token_id + 1,
     };
-    let params = WorkloadParams {
+    let mut params = WorkloadParams {
         token_range: range,
         ..WorkloadParams::default()
     }
     .scaled(args.scale)
     .think_scaled(args.think_scale);
+    // Sessions end before they outgrow the model (prompt plus output within its context).
+    if let Some(len) = context {
+        params.max_context = params.max_context.min(len);
+    }
     let trace = match &args.trace {
         Some(path) => Some(read_trace(path).with_context(|| "reading the trace")?),
         None => None,
     };
-    let generator = SessionGenerator::new(params.clone(), args.seed)?;
+    let generator = SessionGenerator::new(params.clone(), args.seed).with_context(|| {
+        format!(
+            "the workload does not fit the server's context of {context:?} tokens: lower --scale"
+        )
+    })?;
     let concurrencies = if args.trace_clock {
         vec![0]
     } else {
@@ -228,8 +243,9 @@ fn duration(args: &BenchArgs) -> Duration {
     Duration::from_secs_f64(args.duration)
 }
 
-/// A client with the model and API resolved against the server.
-async fn connect(args: &BenchArgs) -> anyhow::Result<Client> {
+/// A client with the model and API resolved against the server, and the model's context
+/// length when the server lists it.
+async fn connect(args: &BenchArgs) -> anyhow::Result<(Client, Option<u32>)> {
     let timeout = Duration::from_secs_f64(args.timeout);
     let probe = Client::new(
         &args.url,
@@ -242,10 +258,11 @@ async fn connect(args: &BenchArgs) -> anyhow::Result<Client> {
         .first_model()
         .await
         .map_err(|e| anyhow::anyhow!("server not reachable: {e}"))?;
+    let context = listed.as_ref().and_then(|m| m.max_model_len);
     let model = args
         .model
         .clone()
-        .or(listed)
+        .or(listed.map(|m| m.id))
         .unwrap_or_else(|| "default".into());
     let api = match args.api {
         ApiChoice::Generate => Api::Generate,
@@ -254,7 +271,10 @@ async fn connect(args: &BenchArgs) -> anyhow::Result<Client> {
         ApiChoice::Auto => Api::Text,
     };
     eprintln!("kiln bench: {} model {model}, api {}", args.url, api.name());
-    Client::new(&args.url, api, model, args.temperature, timeout)
+    Ok((
+        Client::new(&args.url, api, model, args.temperature, timeout)?,
+        context,
+    ))
 }
 
 async fn server_counters(client: &Client) -> Option<TokenCounters> {

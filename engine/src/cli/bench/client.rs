@@ -199,7 +199,7 @@ impl Client {
 
     /// The first model the server lists at `/v1/models` (`None` if it lists none or has
     /// no such endpoint); an error when the server can't be reached at all.
-    pub async fn first_model(&self) -> Result<Option<String>, String> {
+    pub async fn first_model(&self) -> Result<Option<ListedModel>, String> {
         let url = format!("{}/v1/models", self.base);
         let resp = self
             .http
@@ -208,7 +208,11 @@ impl Client {
             .await
             .map_err(|e| format!("{url}: {e}"))?;
         let v: Value = resp.json().await.unwrap_or_default();
-        Ok(v["data"][0]["id"].as_str().map(str::to_string))
+        let model = &v["data"][0];
+        Ok(model["id"].as_str().map(|id| ListedModel {
+            id: id.to_string(),
+            max_model_len: model["max_model_len"].as_u64().map(|n| n as u32),
+        }))
     }
 
     /// The server's Prometheus text at `/metrics`, if it has one.
@@ -224,6 +228,15 @@ impl Client {
         }
         resp.text().await.ok()
     }
+}
+
+/// A model as `/v1/models` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedModel {
+    /// Its name.
+    pub id: String,
+    /// Its context length (prompt plus output), where the server says (kiln, vLLM).
+    pub max_model_len: Option<u32>,
 }
 
 /// What the events of one response have said so far.

@@ -176,3 +176,24 @@ impl History {
         h.0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_history_grows_by_new_input_and_the_servers_output() {
+        let mut h = History::new(true, &[1, 2]);
+        assert_eq!(h.with(&[3]), Prompt::Ids(vec![1, 2, 3]));
+        h.extend(&[3]);
+        h.extend_output(&Prompt::Ids(vec![9, 9]));
+        assert_eq!(h.with(&[4]), Prompt::Ids(vec![1, 2, 3, 9, 9, 4]));
+    }
+
+    #[test]
+    fn a_text_history_appends_words_and_the_servers_text() {
+        let mut h = History::new(false, &[0]);
+        h.extend_output(&Prompt::Text(" reply".into()));
+        assert_eq!(h.with(&[1]), Prompt::Text(" the reply of".into()));
+    }
+}
