@@ -11,9 +11,14 @@
 //! `expert_offsets[e]..expert_offsets[e + 1]` are expert `e`'s rows; the offsets are read on
 //! the device (no host sync), so a decode step that routes on the device can call it.
 //!
-//! This is the correct-first kernel: one unit per output element. The tiled W4A16 kernel
-//! (fragment-ordered weights, split-K for small M) is the speed issue's work.
+//! Two kernels, chosen by the public launches:
+//! - [`skinny`] for decode (`M <= 16`, `K % 32 == 0` for NVFP4, `K % 8 == 0` for bf16):
+//!   a bandwidth-oriented GEMV with coalesced 16-byte weight loads, decode in registers and a
+//!   cube-level reduction;
+//! - the correct-first kernel (one unit per output element) for everything else, the
+//!   grouped GEMM included. The tiled W4A16 kernel for larger M is the speed issue's work.
 mod kernel;
+mod skinny;
 
 use cubecl::prelude::*;
 
@@ -24,6 +29,8 @@ use crate::{DeviceArray, KernelError};
 pub const BLOCK: usize = 16;
 /// Units per cube along N.
 const CUBE_N: u32 = 64;
+/// The largest M the decode (skinny) kernel takes.
+pub const SKINNY_MAX_M: usize = 16;
 
 /// How the weight operand is stored (a compile-time parameter of the kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -137,7 +144,11 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
     }
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
-    launch_nvfp4_unchecked(client, a, m, w, None, out);
+    if takes_skinny(m, w.k, WeightFormat::Nvfp4) {
+        launch_skinny_nvfp4_unchecked(client, a, m, w, out);
+    } else {
+        launch_nvfp4_unchecked(client, a, m, w, None, out);
+    }
     Ok(())
 }
 
@@ -177,7 +188,11 @@ pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
     }
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
-    launch_bf16_unchecked(client, a, m, w, None, out);
+    if takes_skinny(m, w.k, WeightFormat::Bf16) {
+        launch_skinny_bf16_unchecked(client, a, m, w, out);
+    } else {
+        launch_bf16_unchecked(client, a, m, w, None, out);
+    }
     Ok(())
 }
 
@@ -291,6 +306,114 @@ pub fn launch_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
             w.experts as u32,
             expert_offsets.is_some(),
             WeightFormat::Bf16,
+        )
+    }
+}
+
+/// True when a dense GEMM of this shape takes the decode (skinny) kernel: `M <= 16` and rows
+/// of whole 16-byte weight vectors (32 NVFP4 codes, 8 bf16 values).
+pub fn takes_skinny(m: usize, k: usize, format: WeightFormat) -> bool {
+    let vector_elems = match format {
+        WeightFormat::Nvfp4 => 32,
+        WeightFormat::Bf16 => 8,
+    };
+    m <= SKINNY_MAX_M && k % vector_elems == 0
+}
+
+/// The skinny kernel's compile-time shape for `m` tokens and rows of `k` elements.
+fn skinny_config<R: Runtime>(
+    client: &ComputeClient<R>,
+    m: usize,
+    k: usize,
+    format: WeightFormat,
+) -> skinny::SkinnyConfig {
+    let props = client.properties();
+    let hw = &props.hardware;
+    let plane = props
+        .features
+        .plane
+        .contains(cubecl::ir::features::Plane::Ops)
+        && hw.plane_size_min == 32
+        && hw.plane_size_max == 32;
+    let tokens = m.next_power_of_two() as u32;
+    let vectors_per_row = match format {
+        WeightFormat::Nvfp4 => k / 32,
+        WeightFormat::Bf16 => k / 8,
+    };
+    skinny::SkinnyConfig {
+        tokens,
+        // Registers: tokens * rows partial and running sums per unit.
+        rows: if tokens <= 4 { 4 } else { 2 },
+        units: 32 * vectors_per_row.div_ceil(32).clamp(1, 4) as u32,
+        format,
+        plane,
+        // NVRTC (no -ftz) keeps f32 subnormals; llvmpipe flushes them.
+        subnormal_decode: R::name(client) == "cuda",
+    }
+}
+
+/// The grid of the skinny kernel: one cube per `rows` output rows, folded into two
+/// dimensions past 65,535 cubes.
+fn skinny_cubes(n: usize, rows: u32) -> CubeCount {
+    let cubes = (n as u32).div_ceil(rows);
+    let x = cubes.min(65_535);
+    CubeCount::Static(x, cubes.div_ceil(x), 1)
+}
+
+/// Launches the decode (skinny) NVFP4 GEMM without validation: trusts a dense `w`
+/// (`experts == 1`), `1 <= m <= 16`, `k % 32 == 0` and buffers matching the shapes.
+pub fn launch_skinny_nvfp4_unchecked<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: &Nvfp4Weights,
+    out: &DeviceArray<f32>,
+) {
+    let cfg = skinny_config(client, m, w.k, WeightFormat::Nvfp4);
+    // SAFETY: the caller guarantees the shapes; rows of k / 8 words hold whole vectors of 4.
+    unsafe {
+        skinny::skinny_kernel::launch_unchecked::<F, R>(
+            client,
+            skinny_cubes(w.n, cfg.rows),
+            CubeDim::new_1d(cfg.units),
+            a.arg(),
+            w.packed.arg(),
+            w.scales.arg(),
+            w.global_scales.arg(),
+            out.arg(),
+            m as u32,
+            w.n as u32,
+            w.k as u32,
+            cfg,
+        )
+    }
+}
+
+/// Launches the decode (skinny) bf16-weight GEMM without validation: trusts a dense `w`,
+/// `1 <= m <= 16`, `k % 8 == 0` and buffers matching the shapes.
+pub fn launch_skinny_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: &Bf16Weights,
+    out: &DeviceArray<f32>,
+) {
+    let cfg = skinny_config(client, m, w.k, WeightFormat::Bf16);
+    // SAFETY: as above; the scale slots are bound to the weights and never read.
+    unsafe {
+        skinny::skinny_kernel::launch_unchecked::<F, R>(
+            client,
+            skinny_cubes(w.n, cfg.rows),
+            CubeDim::new_1d(cfg.units),
+            a.arg(),
+            w.data.arg(),
+            w.data.arg(),
+            w.data.arg(),
+            out.arg(),
+            m as u32,
+            w.n as u32,
+            w.k as u32,
+            cfg,
         )
     }
 }

@@ -1,6 +1,10 @@
 //! NVFP4 GEMM conformance on every enabled backend: proptest over shapes (M = 1, odd N,
 //! K any multiple of the 16-element scale block, empty experts) and values (normal with
-//! outliers), activations in f32 and, where the device stores it, bf16.
+//! outliers), activations in f32 and, where the device stores it, bf16. Dense cases with
+//! M <= 16 and K a multiple of 32 (NVFP4) or 8 (bf16) take the decode (skinny) kernel, the
+//! rest the per-element kernel; on CUDA the skinny kernel decodes E2M1 through f32
+//! subnormals and reduces with plane sums, on wgpu (llvmpipe) it takes the portable decode
+//! and the shared-memory reduction.
 use cubecl::prelude::*;
 use half::bf16;
 use kiln_conformance::gemm::{run_gemm, upload_weights, GemmCase};
@@ -73,6 +77,52 @@ fn bf16_weights<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
 fn kimi_decode_shapes<R: Runtime>(client: &ComputeClient<R>) {
     for (m, n, k) in [(1, 512, 7168), (3, 7168, 256), (16, 96, 2048)] {
         run_gemm::<R, f32>(client, &GemmCase::dense(m, n, k, 7), false)
+            .unwrap()
+            .assert_passed();
+    }
+}
+
+/// The decode kernel at M = 1, 4, 16 (and 3, 9: token slots past M), odd N (a partial last
+/// cube), K with an odd number of 32-value vectors, both weight formats.
+fn skinny_decode_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
+    for (i, (m, n, k)) in [
+        (1, 37, 96),
+        (4, 13, 224),
+        (16, 9, 160),
+        (3, 5, 32),
+        (9, 70, 64),
+        (1, 257, 2048),
+        (16, 131, 1056),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        assert!(kiln_kernels::gemm::takes_skinny(m, k, WeightFormat::Nvfp4));
+        run_gemm::<R, F>(client, &GemmCase::dense(m, n, k, 100 + i as u64), false)
+            .unwrap()
+            .assert_passed();
+        run_gemm::<R, F>(client, &GemmCase::bf16(m, n, k + 8, 200 + i as u64), false)
+            .unwrap()
+            .assert_passed();
+    }
+    // Just outside the decode kernel: M = 17, and K not a multiple of 32 / 8.
+    assert!(!kiln_kernels::gemm::takes_skinny(
+        17,
+        64,
+        WeightFormat::Nvfp4
+    ));
+    assert!(!kiln_kernels::gemm::takes_skinny(
+        4,
+        48,
+        WeightFormat::Nvfp4
+    ));
+    assert!(!kiln_kernels::gemm::takes_skinny(4, 12, WeightFormat::Bf16));
+    for case in [
+        GemmCase::dense(17, 21, 64, 300),
+        GemmCase::dense(4, 21, 48, 301),
+        GemmCase::bf16(4, 21, 12, 302),
+    ] {
+        run_gemm::<R, F>(client, &case, false)
             .unwrap()
             .assert_passed();
     }
@@ -185,6 +235,7 @@ kiln_backends::backend_tests! {
     grouped [f32, bf16],
     bf16_weights [f32, bf16],
     kimi_decode_shapes,
+    skinny_decode_shapes_match_the_reference [f32, bf16],
     bad_shapes_are_typed_errors,
     unsupported_dtype_is_a_typed_error,
 }
