@@ -58,6 +58,15 @@ pub fn bf16_values(rng: &mut Rng, n: usize) -> Vec<f32> {
 /// expert weight was made from (before any quantization).
 pub fn tiny_tensors(format: ExpertFormat, seed: u64) -> (Tensors, BTreeMap<String, Vec<f32>>) {
     let spec = ModelSpec::from_json(&TINY_CONFIG.replace("QUANT", "")).unwrap();
+    spec_tensors(&spec, format, seed)
+}
+
+/// [`tiny_tensors`] for the architecture of any `spec`.
+pub fn spec_tensors(
+    spec: &ModelSpec,
+    format: ExpertFormat,
+    seed: u64,
+) -> (Tensors, BTreeMap<String, Vec<f32>>) {
     let mut rng = Rng::new(seed);
     let mut tensors = Tensors::new();
     let mut originals = BTreeMap::new();
@@ -147,7 +156,12 @@ pub fn int4_pack(w: &[f32], out: usize, inp: usize) -> (Vec<u8>, Vec<f32>) {
 
 /// Writes `config.json` (with `quant` spliced into the tiny config) and `model.safetensors`.
 pub fn write_checkpoint(dir: &Path, quant: &str, tensors: &Tensors) {
-    std::fs::write(dir.join("config.json"), TINY_CONFIG.replace("QUANT", quant)).unwrap();
+    write_checkpoint_with_config(dir, &TINY_CONFIG.replace("QUANT", quant), tensors);
+}
+
+/// Writes `config` as `config.json` and `tensors` as `model.safetensors`.
+pub fn write_checkpoint_with_config(dir: &Path, config: &str, tensors: &Tensors) {
+    std::fs::write(dir.join("config.json"), config).unwrap();
     let views: Vec<(String, TensorView)> = tensors
         .iter()
         .map(|(name, (dtype, shape, bytes))| {
