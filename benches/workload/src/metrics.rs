@@ -88,7 +88,8 @@ pub fn percentile(v: &[f64], q: f64) -> f64 {
 /// Everything measured at one concurrency.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PointSummary {
-    /// Concurrent sessions (closed loop) or replay workers.
+    /// Concurrent sessions (closed loop) or replay workers; 0 for a trace replayed on its
+    /// own clock.
     pub concurrency: u32,
     /// Wall time of the point, first send to last response.
     pub elapsed_s: f64,
@@ -123,6 +124,21 @@ pub struct PointSummary {
     /// Cache hit rate from the server's own counters over the point (its Prometheus
     /// `/metrics`), when it exports them; set by the driver.
     pub server_cache_hit_rate: Option<f64>,
+}
+
+impl PointSummary {
+    /// The point's name on charts and tables ([`point_label`]).
+    pub fn label(&self) -> String {
+        point_label(self.concurrency)
+    }
+}
+
+/// `c=N` for a point at concurrency `N`, `trace` for a replay on the trace's clock (0).
+pub fn point_label(concurrency: u32) -> String {
+    match concurrency {
+        0 => "trace".to_string(),
+        c => format!("c={c}"),
+    }
 }
 
 /// How many error messages a summary keeps.

@@ -92,7 +92,7 @@ fn draw<DB: DrawingBackend>(
         .map_err(|x| e(&x))?;
     chart
         .draw_series(points.iter().map(|p| {
-            let label = Text::new(format!("c={}", p.concurrency), (8, -18), ("sans-serif", 14));
+            let label = Text::new(p.label(), (8, -18), ("sans-serif", 14));
             EmptyElement::at(xy(p)) + Circle::new((0, 0), 5, RED.filled()) + label
         }))
         .map_err(|x| e(&x))?;

@@ -66,7 +66,7 @@ pub fn table(points: &[PointSummary]) -> String {
         )
     };
     let mut s = row([
-        "conc",
+        "point",
         "reqs",
         "err",
         "TTFT s p50/p90/p99",
@@ -89,7 +89,7 @@ pub fn table(points: &[PointSummary]) -> String {
             .map_or("-".into(), |d| format!("{:.1} (p10 {:.1})", d.p50, d.p10));
         let accept = p.accept_len.map_or("-".into(), |a| format!("{a:.2}"));
         s += &row([
-            &p.concurrency.to_string(),
+            &p.label(),
             &p.requests.to_string(),
             &p.errors.to_string(),
             &ttft,
@@ -143,7 +143,7 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 2);
         let row = lines[1];
-        assert!(row.trim_start().starts_with("4 "), "{row}");
+        assert!(row.trim_start().starts_with("c=4 "), "{row}");
         for want in ["0.250/0.250/0.250", "1.25/1.25", "100.0", "1.00M", "75.0%"] {
             assert!(row.contains(want), "{want} missing in {row}");
         }

@@ -16,7 +16,7 @@ mod sse;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use client::{Api, Client};
-use kiln_workload::metrics::{summarize, PointSummary, RequestRecord};
+use kiln_workload::metrics::{point_label, summarize, PointSummary, RequestRecord};
 use kiln_workload::report::{table, BenchReport, WorkloadSource};
 use kiln_workload::trace::{read_trace, TraceRequest, TraceTokenizer};
 use kiln_workload::{SessionGenerator, TokenRange, WorkloadParams};
@@ -198,12 +198,8 @@ async fn sweep(args: &BenchArgs) -> anyhow::Result<BenchReport> {
     for (i, &c) in concurrencies.iter().enumerate() {
         let before = server_counters(&client).await;
         let counters = Arc::new(Counters::default());
-        let label = if c == 0 {
-            "trace".to_string()
-        } else {
-            format!("c={c}")
-        };
-        let progress = Progress::start(label, duration(args), counters.clone(), args.quiet);
+        let progress =
+            Progress::start(point_label(c), duration(args), counters.clone(), args.quiet);
         let (records, elapsed) = match &trace {
             Some(trace) => replay_point(args, &client, trace, i as u64, c, counters).await,
             None => sessions_point(args, &client, &generator, i as u64, c, counters).await,
@@ -330,8 +326,8 @@ fn one_line(p: &PointSummary) -> String {
     let ttft = p.ttft_s.map_or(f64::NAN, |d| d.p50);
     let tps = p.output_tps_per_user.map_or(f64::NAN, |d| d.p50);
     format!(
-        "c={}: {} requests ({} errors), TTFT p50 {ttft:.3}s, {tps:.1} tok/s/user, {:.0} tok/min/GPU, CHR {}",
-        p.concurrency,
+        "{}: {} requests ({} errors), TTFT p50 {ttft:.3}s, {tps:.1} tok/s/user, {:.0} tok/min/GPU, CHR {}",
+        p.label(),
         p.requests,
         p.errors,
         p.tokens_per_min_per_gpu,
