@@ -260,3 +260,53 @@ async fn killing_a_replica_mid_run_loses_no_session_and_counts_the_retries() {
     );
     assert_eq!(up, Some(0.0), "the dead replica is still up: {metrics}");
 }
+
+#[test]
+fn route_simulate_prints_the_table_and_writes_one_json_object_per_policy() {
+    let json = std::env::temp_dir().join(format!("kiln-route-sim-{}.json", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "route",
+            "--simulate",
+            "--sim-replicas",
+            "10",
+            "--json",
+            json.to_str().unwrap(),
+        ])
+        .output()
+        .expect("kiln route --simulate runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("| policy | var/mean |") && stdout.contains("kiln targets:"),
+        "{stdout}"
+    );
+    let reports: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).unwrap();
+    let policies: Vec<&str> = reports
+        .iter()
+        .map(|r| r["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(policies, ["random", "session-hash", "kiln"]);
+    for r in &reports {
+        let mut fields: Vec<&String> = r.as_object().unwrap().keys().collect();
+        fields.sort();
+        assert_eq!(
+            fields,
+            [
+                "affinity",
+                "moves_per_scale_event",
+                "p99_queue_delay_ms",
+                "p_load_ge_12",
+                "p_load_le_1",
+                "policy",
+                "var_over_mean"
+            ]
+        );
+    }
+}
