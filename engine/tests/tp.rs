@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, LogitRows, RequestSlice};
-use kiln::model::tp::{ShardedModel, TpError};
+use kiln::model::tp::{shard, ShardedModel, SliceError, TpError};
 use kiln::model::{Checkpoint, ModelSpec};
 use kiln_kernels::mla::KvFormat;
 use kiln_reference::data::Rng;
@@ -45,11 +45,15 @@ const EIGHT_HEADS: &str = r#"{
 
 /// The 8-head checkpoint with ModelOpt NVFP4 experts, written to a temporary directory.
 fn eight_heads() -> tempfile::TempDir {
+    eight_heads_with(&EIGHT_HEADS.replace("QUANT", quant_fragment(ExpertFormat::ModelOptNvfp4)))
+}
+
+/// A checkpoint of `config` with ModelOpt NVFP4 experts, in a temporary directory.
+fn eight_heads_with(config: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    let config = EIGHT_HEADS.replace("QUANT", quant_fragment(ExpertFormat::ModelOptNvfp4));
-    let spec = ModelSpec::from_json(&config).unwrap();
+    let spec = ModelSpec::from_json(config).unwrap();
     let (tensors, _) = spec_tensors(&spec, ExpertFormat::ModelOptNvfp4, 29);
-    write_checkpoint_with_config(dir.path(), &config, &tensors);
+    write_checkpoint_with_config(dir.path(), config, &tensors);
     dir
 }
 
@@ -225,6 +229,28 @@ fn impossible_splits_and_bad_batches_are_refused<R: Runtime>(client: &ComputeCli
         tp.forward(&one(vec![3]), &other_pool),
         Err(TpError::Unsupported(_))
     ));
+}
+
+/// Experts 64 wide over 8 ranks leave 8 columns of each NVFP4 `down_proj` per rank, half a
+/// scale block: refused, naming the tensor.
+#[test]
+fn nvfp4_experts_split_off_their_scale_blocks_are_refused() {
+    let config = EIGHT_HEADS
+        .replace("QUANT", quant_fragment(ExpertFormat::ModelOptNvfp4))
+        .replace(
+            r#""moe_intermediate_size": 128"#,
+            r#""moe_intermediate_size": 64"#,
+        );
+    let dir = eight_heads_with(&config);
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    assert!(shard(&ckpt, 0, 4).is_ok());
+    match shard(&ckpt, 1, 8) {
+        Err(TpError::Slice { tensor, source }) => {
+            assert_eq!(tensor, "model.layers.1.mlp.experts.0.down_proj.weight");
+            assert_eq!(source, SliceError::UnalignedNvfp4 { start: 8, end: 16 });
+        }
+        other => panic!("expected an unaligned NVFP4 slice, got {:?}", other.err()),
+    }
 }
 
 kiln_backends::backend_tests! {
