@@ -2,11 +2,12 @@
 //!
 //! Stand-in replicas (not kiln: minimal axum servers whose only job is to answer at
 //! once, with a fixed chat completion and a kiln-style /metrics) run in process, as does
-//! the router with the `kiln` policy, its health loop scraping them. The load is open
-//! loop: 2 requests every millisecond for `--seconds` (default 10), each a chat request
-//! of one of 500 sessions (`x-session-id`). The same load runs first straight at the
-//! stand-ins (sessions spread over them by hash), then through the router; the added
-//! latency at a quantile is the difference of the two. Before timing, one buffered and
+//! the router with the `kiln` policy, its health loop scraping them; each on its own
+//! runtime. The load is open
+//! loop: every millisecond for `--seconds` (default 10), 2 chat requests go through the
+//! router (2,000 req/s) and 2 for the same sessions straight to the stand-ins, so both
+//! paths share the machine's noise; each is one of 500 sessions (`x-session-id`). The
+//! added latency at a quantile is the difference of the two paths'. Before timing, one buffered and
 //! one streamed (SSE) response are checked to pass through byte for byte.
 //!
 //! Prints a table and writes JSON (`--json FILE`, default
@@ -64,40 +65,54 @@ fn body(session: u64, stream: bool) -> String {
     )
 }
 
-/// Open-loop load at `PER_MS` requests per millisecond; `target(session)` picks the URL.
+/// Latencies (sorted, ms), failed requests and achieved requests/s of one path.
+type PathResult = (Vec<f64>, usize, f64);
+
+/// Open-loop load: every millisecond `PER_MS` requests go straight to a stand-in and
+/// `PER_MS` through the router, for the same sessions, so both paths see the same
+/// machine noise. Returns (direct, routed).
 async fn load(
     client: &reqwest::Client,
     seconds: u64,
-    target: impl Fn(u64) -> String,
-) -> (Vec<f64>, usize, f64) {
+    replicas: &[String],
+    router: &str,
+) -> (PathResult, PathResult) {
     let mut ticker = tokio::time::interval(Duration::from_millis(1));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let start = Instant::now();
-    let mut tasks = Vec::new();
+    let mut tasks = [Vec::new(), Vec::new()];
     let mut n = 0u64;
     while start.elapsed() < Duration::from_secs(seconds) {
         ticker.tick().await;
         for _ in 0..PER_MS {
             let session = n % SESSIONS;
             n += 1;
-            let request = client
-                .post(format!("{}/v1/chat/completions", target(session)))
-                .header("x-session-id", format!("s{session}"))
-                .header(header::CONTENT_TYPE, "application/json")
-                .body(body(session, false));
-            tasks.push(tokio::spawn(async move {
-                let t = Instant::now();
-                let ok = match request.send().await {
-                    Ok(r) if r.status().is_success() => {
-                        r.bytes().await.is_ok_and(|b| b == COMPLETION.as_bytes())
-                    }
-                    _ => false,
-                };
-                (ok, t.elapsed().as_secs_f64() * 1000.0)
-            }));
+            let direct = &replicas[(session % replicas.len() as u64) as usize];
+            for (path, base) in [direct.as_str(), router].into_iter().enumerate() {
+                let request = client
+                    .post(format!("{base}/v1/chat/completions"))
+                    .header("x-session-id", format!("s{session}"))
+                    .header(header::CONTENT_TYPE, "application/json")
+                    .body(body(session, false));
+                tasks[path].push(tokio::spawn(async move {
+                    let t = Instant::now();
+                    let ok = match request.send().await {
+                        Ok(r) if r.status().is_success() => {
+                            r.bytes().await.is_ok_and(|b| b == COMPLETION.as_bytes())
+                        }
+                        _ => false,
+                    };
+                    (ok, t.elapsed().as_secs_f64() * 1000.0)
+                }));
+            }
         }
     }
     let rate = n as f64 / start.elapsed().as_secs_f64();
+    let [direct, routed] = tasks;
+    (collect(direct, rate).await, collect(routed, rate).await)
+}
+
+async fn collect(tasks: Vec<tokio::task::JoinHandle<(bool, f64)>>, rate: f64) -> PathResult {
     let mut latencies = Vec::with_capacity(tasks.len());
     let mut errors = 0;
     for task in tasks {
@@ -145,12 +160,19 @@ fn main() {
     };
     let seconds: u64 = flag("--seconds").map_or(10, |s| s.parse().expect("--seconds N"));
     let json = flag("--json").unwrap_or_else(|| "target/router-overhead.json".into());
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async move {
-        let replicas = vec![stand_in().await, stand_in().await, stand_in().await];
+    // Stand-ins, router and client each get their own runtime (as separate processes
+    // would), so one's burst of tasks does not queue behind another's.
+    let runtime = |workers| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    };
+    let (replica_rt, router_rt, client_rt) = (runtime(1), runtime(2), runtime(2));
+    let replicas =
+        replica_rt.block_on(async { vec![stand_in().await, stand_in().await, stand_in().await] });
+    let router = router_rt.block_on(async {
         let source = ReplicaSource {
             urls: replicas.clone(),
             file: None,
@@ -170,22 +192,24 @@ fn main() {
                 .await
                 .expect("router serves")
         });
+        router
+    });
+    client_rt.block_on(async move {
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(4096)
             .tcp_nodelay(true)
             .build()
             .expect("client");
         validate(&client, &router).await;
-        // Warm both paths' connection pools.
-        load(&client, 1, |s| replicas[(s % 3) as usize].clone()).await;
-        load(&client, 1, |_| router.clone()).await;
-        let direct = load(&client, seconds, |s| replicas[(s % 3) as usize].clone()).await;
-        let routed = load(&client, seconds, |_| router.clone()).await;
+        // Warm both paths' connection pools, then measure.
+        load(&client, 1, &replicas, &router).await;
+        let (direct, routed) = load(&client, seconds, &replicas, &router).await;
         report(&direct, &routed, &json);
     });
+    drop((replica_rt, router_rt));
 }
 
-fn report(direct: &(Vec<f64>, usize, f64), routed: &(Vec<f64>, usize, f64), json: &str) {
+fn report(direct: &PathResult, routed: &PathResult, json: &str) {
     let qs = [("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999)];
     println!("router overhead on loopback, kiln policy, stand-in replicas (answer at once)");
     println!("| path | requests | req/s | errors | p50 ms | p90 ms | p99 ms | p99.9 ms |");
