@@ -3,95 +3,24 @@
 //! metric present and the Pareto chart, and the cache hit rate it reports equals the one
 //! the server's own Prometheus counters give over the same run. A small Mooncake trace
 //! replays closed-loop and on its clock with the same checks.
+mod common;
+
+use common::server::Server;
 use kiln_workload::report::BenchReport;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::path::Path;
+use std::process::Command;
 
-/// A `kiln serve --port 0` process, killed when dropped; its stderr goes to `log`.
-struct Served {
-    child: Child,
-    url: String,
-    log: PathBuf,
-}
-
-impl Served {
-    fn start(dir: &Path) -> Served {
-        let log = dir.join("serve.log");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .args(["serve", "--port", "0"])
-            .env("XDG_RUNTIME_DIR", std::env::temp_dir())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("kiln serve starts");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(120))
-            .unwrap_or_else(|_| panic!("kiln serve never listened; log in {}", log.display()));
-        let url = line
-            .strip_prefix("kiln serve listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
-        Served { child, url, log }
-    }
-
-    /// Prompt and cached token totals from the server's `/metrics`.
-    fn token_counters(&self) -> (f64, f64) {
-        let text = http_get(&format!("{}/metrics", self.url));
-        let value = |name: &str| {
-            text.lines()
-                .find_map(|l| {
-                    l.strip_prefix(name)?
-                        .strip_prefix(' ')?
-                        .trim()
-                        .parse::<f64>()
-                        .ok()
-                })
-                .unwrap_or_else(|| panic!("{name} missing from /metrics"))
-        };
-        (
-            value("kiln_prompt_tokens_total"),
-            value("kiln_cached_tokens_total"),
-        )
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A plain HTTP/1.1 GET over a loopback socket (the test needs no client library).
-fn http_get(url: &str) -> String {
-    use std::io::{Read, Write};
-    let rest = url.strip_prefix("http://").expect("http URL");
-    let (host, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    let mut s = std::net::TcpStream::connect(host).expect("connect");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+/// Prompt and cached token totals from the server's `/metrics`.
+fn token_counters(server: &Server) -> (f64, f64) {
+    (
+        server.metric("kiln_prompt_tokens_total"),
+        server.metric("kiln_cached_tokens_total"),
     )
-    .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).expect("read");
-    body.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
 }
 
 /// Runs `kiln bench` against `server` at `scale` with `extra` arguments, writing the
 /// report to `json`; panics with its stderr if it fails.
-fn bench(server: &Served, json: &Path, scale: &str, extra: &[&str]) -> std::process::Output {
+fn bench(server: &Server, json: &Path, scale: &str, extra: &[&str]) -> std::process::Output {
     // --api generate: no probe request, so the server counts exactly the bench's requests.
     let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args([
@@ -144,8 +73,8 @@ fn read_report(json: &Path) -> BenchReport {
 fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
     let dir = std::env::temp_dir().join(format!("kiln-bench-e2e-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let server = Served::start(&dir);
-    let before = server.token_counters();
+    let server = Server::start(&[]);
+    let before = token_counters(&server);
     let (json, plot) = (dir.join("sweep.json"), dir.join("sweep.svg"));
     let plot_args = ["--plot", plot.to_str().unwrap()];
     let sweep = ["--sweep", "1,2", "--duration", "4", "--think-scale", "0.01"];
@@ -191,7 +120,7 @@ fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
         assert!(chr > 0.3, "c={}: cache hit rate {chr}", p.concurrency);
     }
 
-    assert_server_agrees(&report, before, server.token_counters());
+    assert_server_agrees(&report, before, token_counters(&server));
 
     let svg = std::fs::read_to_string(plot.with_extension("svg")).unwrap();
     assert!(
@@ -227,14 +156,14 @@ fn a_mooncake_trace_replays_closed_loop_and_on_its_clock() {
     std::fs::create_dir_all(&dir).unwrap();
     let trace = dir.join("trace.jsonl");
     std::fs::write(&trace, mooncake_trace(24)).unwrap();
-    let server = Served::start(&dir);
+    let server = Server::start(&[]);
     let trace_args = ["--trace", trace.to_str().unwrap(), "--duration", "3"];
     for (mode, extra, concurrency) in [
         ("closed", vec!["--sweep", "2"], 2),
         ("clock", vec!["--trace-clock", "--speedup", "2"], 0),
     ] {
         let json = dir.join(format!("{mode}.json"));
-        let before = server.token_counters();
+        let before = token_counters(&server);
         // Scale 1/8: 64-token blocks, the server's page size, so shared blocks are cacheable.
         bench(
             &server,
@@ -261,7 +190,7 @@ fn a_mooncake_trace_replays_closed_loop_and_on_its_clock() {
             "{mode}: CHR {:?}",
             p.cache_hit_rate
         );
-        assert_server_agrees(&report, before, server.token_counters());
+        assert_server_agrees(&report, before, token_counters(&server));
     }
     drop(server);
     std::fs::remove_dir_all(&dir).unwrap();

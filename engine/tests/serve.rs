@@ -109,7 +109,7 @@ async fn concurrent_agent_sessions_hit_the_cache_and_match_running_alone() {
         hit_rate > 0.9,
         "cache hit rate after the first turn: {hit_rate:.3}"
     );
-    let served = server.metric("kiln_cache_hit_rate").await;
+    let served = server.metric("kiln_cache_hit_rate");
     assert!(served > 0.5, "the server's own hit rate {served}");
 
     // The same requests one at a time on a fresh server: the same greedy replies.
@@ -266,7 +266,7 @@ async fn bad_requests_get_the_right_4xx_and_the_server_keeps_serving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_mid_stream_gives_its_kv_pages_back() {
     let server = Server::start(&[]);
-    assert_eq!(server.metric("kiln_kv_usage").await, 0.0);
+    assert_eq!(server.metric("kiln_kv_usage"), 0.0);
     let body = json!({"prompt": "tell me everything", "max_tokens": 3000, "stream": true,
                       "ignore_eos": true});
     let resp = reqwest::Client::new()
@@ -280,15 +280,15 @@ async fn a_client_that_disconnects_mid_stream_gives_its_kv_pages_back() {
         chunks.next().await.expect("a chunk").expect("bytes");
     }
     assert!(
-        server.metric("kiln_kv_usage").await > 0.0,
+        server.metric("kiln_kv_usage") > 0.0,
         "the request holds pages"
     );
     drop(chunks);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (usage, running) = (
-            server.metric("kiln_kv_usage").await,
-            server.metric("kiln_num_running_reqs").await,
+            server.metric("kiln_kv_usage"),
+            server.metric("kiln_num_running_reqs"),
         );
         if usage == 0.0 && running == 0.0 {
             break;
@@ -299,7 +299,7 @@ async fn a_client_that_disconnects_mid_stream_gives_its_kv_pages_back() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(server.metric("kiln_requests_aborted_total").await, 1.0);
+    assert_eq!(server.metric("kiln_requests_aborted_total"), 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -321,8 +321,8 @@ async fn more_sessions_than_the_pool_holds_all_complete_through_preemption() {
         assert_eq!(status, 200, "{body}");
         assert_eq!(body["output_ids"].as_array().map(Vec::len), Some(100));
     }
-    assert!(server.metric("kiln_preemptions_total").await > 0.0);
-    assert_eq!(server.metric("kiln_kv_usage").await, 0.0);
+    assert!(server.metric("kiln_preemptions_total") > 0.0);
+    assert_eq!(server.metric("kiln_kv_usage"), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -361,7 +361,7 @@ async fn the_server_holds_a_thousand_concurrent_streams() {
         elapsed < Duration::from_secs(300),
         "1,000 streams took {elapsed:?}"
     );
-    assert_eq!(server.metric("kiln_requests_finished_total").await, 1000.0);
+    assert_eq!(server.metric("kiln_requests_finished_total"), 1000.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -372,10 +372,25 @@ async fn a_full_server_answers_503_and_serves_again_once_it_drains() {
     let burst = (0..6).map(|_| post(&url, body.clone(), None));
     let results = futures_util::future::join_all(burst).await;
     let status = |code| results.iter().filter(|(s, _)| *s == code).count();
-    assert_eq!((status(200), status(503)), (2, 4), "one running, one waiting: {results:?}");
+    assert_eq!(
+        (status(200), status(503)),
+        (2, 4),
+        "one running, one waiting: {results:?}"
+    );
     let (_, refused) = results.iter().find(|(s, _)| *s == 503).unwrap();
-    assert!(refused["error"]["message"].as_str().unwrap().contains("full"), "{refused}");
-    let (status, body) = post(&url, json!({"prompt": "again", "max_tokens": 2}).to_string(), None).await;
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("full"),
+        "{refused}"
+    );
+    let (status, body) = post(
+        &url,
+        json!({"prompt": "again", "max_tokens": 2}).to_string(),
+        None,
+    )
+    .await;
     assert_eq!(status, 200, "{body}");
 }
 
@@ -391,5 +406,8 @@ async fn the_same_seed_samples_the_same_completion() {
     };
     let (a, b, c) = (sample(7).await, sample(7).await, sample(8).await);
     assert_eq!(a.1["output_ids"], b.1["output_ids"]);
-    assert_ne!(a.1["output_ids"], c.1["output_ids"], "another seed, another sample");
+    assert_ne!(
+        a.1["output_ids"], c.1["output_ids"],
+        "another seed, another sample"
+    );
 }

@@ -186,6 +186,25 @@ pub fn rope_allowed(
     (trig + 4.0 * u) * pair_magnitude * scale + out.unit_roundoff() * expected.abs()
 }
 
+/// Allowed `|actual - expected|` for one SwiGLU output `silu(gate) * up` computed in f32
+/// (`expected` exact):
+/// 1. `exp(-gate)` is allowed `3 + 2|gate|` ulp (WGSL's bound; CUDA's is tighter), the
+///    reciprocal of `1 + exp` 2.5 ulp, the two products 1 ulp each: with an ulp at most
+///    `2u` relative, `(7.5 + 2|gate|) * 2u * |expected|`.
+/// 2. Far in the negative tail, where `sigmoid(gate) < 2^-100` (`gate < -69.3`), backends
+///    may return 0 for the sigmoid (llvmpipe does): the whole value, below
+///    `|gate| 2^-100 |up|`, is allowed there.
+/// 3. Plus the smallest normal f32, for results in the subnormal range.
+pub fn swiglu_allowed(gate: f64, expected: f64) -> f64 {
+    let u = DType::F32.unit_roundoff();
+    let flushed = if gate < -100.0 * std::f64::consts::LN_2 {
+        expected.abs()
+    } else {
+        0.0
+    };
+    (7.5 + 2.0 * gate.abs()) * 2.0 * u * expected.abs() + flushed + DType::F32.smallest_normal()
+}
+
 /// Summary of an element-wise comparison against the oracle.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Comparison {

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
+use axum::serve::ListenerExt;
 use clap::Args;
 use kiln::cache::CacheKind;
 use kiln::engine::{self, EngineConfig};
@@ -123,6 +124,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding {addr}"))?;
         let bound = listener.local_addr()?;
+        // Tokens go out as small writes: without TCP_NODELAY, Nagle's algorithm and the
+        // client's delayed ACK hold them back ~40 ms.
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!("TCP_NODELAY not set: {e}");
+            }
+        });
         tracing::info!(model = %state.model_name, device = %state.engine.info.device, "serving");
         println!("kiln serve listening on http://{bound}");
         std::io::stdout().flush()?;

@@ -58,17 +58,31 @@ impl Server {
     }
 
     /// A metric's value from `/metrics` (first sample of that name).
-    pub async fn metric(&self, name: &str) -> f64 {
-        let text = reqwest::get(format!("{}/metrics", self.url))
-            .await
-            .expect("metrics answer")
-            .text()
-            .await
-            .expect("metrics text");
+    pub fn metric(&self, name: &str) -> f64 {
+        let text = http_get(&format!("{}/metrics", self.url));
         text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or_else(|| panic!("no metric {name}"))
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no metric {name}; log: {}", self.log.display()))
     }
+}
+
+/// A plain HTTP/1.1 GET over a loopback socket: the body. Blocking and dependency-free,
+/// so synchronous tests can read `/metrics` too.
+pub fn http_get(url: &str) -> String {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").expect("http URL");
+    let (host, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let mut s = std::net::TcpStream::connect(host).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).expect("read");
+    body.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
 }
 
 static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);

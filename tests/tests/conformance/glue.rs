@@ -13,7 +13,7 @@ use kiln_reference::data::{normal_with_outliers, Rng};
 use kiln_reference::formats::{bf16_decode, bf16_encode, pack_u16_words};
 use kiln_reference::norm;
 use kiln_reference::rope::{apply_interleaved, cos_sin_scale, inv_freq, YarnConfig};
-use kiln_reference::tolerance::{compare, rope_allowed, DType, Tolerance};
+use kiln_reference::tolerance::{compare, rope_allowed, swiglu_allowed, DType, Tolerance};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -105,40 +105,45 @@ fn rmsnorm_prefix_of_kv_rows<R: Runtime>(client: &ComputeClient<R>) {
 }
 
 fn silu_and_mul_rows<R: Runtime>(client: &ComputeClient<R>) {
+    // Pinned: a gate far in the negative tail, whose sigmoid llvmpipe flushes to zero.
+    silu_and_mul_case(client, 1, 103, 3694268016568392736).unwrap();
     runner()
         .run(
             &(1usize..=5, 1usize..=200, any::<u64>()),
-            |(rows, inter, seed)| {
-                let mut rng = Rng::new(seed);
-                let gate = normal_with_outliers(&mut rng, rows * inter, 2.0);
-                let up = normal_with_outliers(&mut rng, rows * inter, 1.0);
-                let out = DeviceArray::filled(client, rows * inter, f32::NAN);
-                silu_mul(
-                    client,
-                    &DeviceArray::upload(client, &gate),
-                    &DeviceArray::upload(client, &up),
-                    &out,
-                )
-                .unwrap();
-                let side_by_side: Vec<f32> = gate
-                    .chunks(inter)
-                    .zip(up.chunks(inter))
-                    .flat_map(|(g, u)| g.iter().chain(u).copied())
-                    .collect();
-                let expected = silu_and_mul(&side_by_side, inter);
-                let magnitude: Vec<f64> = expected.iter().map(|e| e.abs()).collect();
-                // exp is allowed 3 + 2|x| ulp in WGSL; |gate| stays below ~30 here.
-                let tol = Tolerance::dot(64, DType::F32, DType::F32);
-                let cmp = compare(
-                    &out.read(client),
-                    &expected,
-                    &tol.allowed_all(&expected, &magnitude),
-                );
-                prop_assert!(cmp.passed(), "{cmp}");
-                Ok(())
-            },
+            |(rows, inter, seed)| silu_and_mul_case(client, rows, inter, seed),
         )
         .unwrap();
+}
+
+fn silu_and_mul_case<R: Runtime>(
+    client: &ComputeClient<R>,
+    rows: usize,
+    inter: usize,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(seed);
+    let gate = normal_with_outliers(&mut rng, rows * inter, 2.0);
+    let up = normal_with_outliers(&mut rng, rows * inter, 1.0);
+    let out = DeviceArray::filled(client, rows * inter, f32::NAN);
+    silu_mul(
+        client,
+        &DeviceArray::upload(client, &gate),
+        &DeviceArray::upload(client, &up),
+        &out,
+    )
+    .unwrap();
+    let side_by_side: Vec<f32> = gate
+        .chunks(inter)
+        .zip(up.chunks(inter))
+        .flat_map(|(g, u)| g.iter().chain(u).copied())
+        .collect();
+    let expected = silu_and_mul(&side_by_side, inter);
+    let allowed: Vec<f64> = (gate.iter().zip(&expected))
+        .map(|(&g, &e)| swiglu_allowed(g as f64, e))
+        .collect();
+    let cmp = compare(&out.read(client), &expected, &allowed);
+    prop_assert!(cmp.passed(), "{cmp}");
+    Ok(())
 }
 
 fn embedding_rows<R: Runtime>(client: &ComputeClient<R>) {
