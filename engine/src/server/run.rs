@@ -183,7 +183,12 @@ pub struct Pieces {
 }
 
 impl Pieces {
-    pub fn new(slot: Slot, rx: UnboundedReceiver<Event>, detok: Detokenizer, prompt_tokens: usize) -> Self {
+    pub fn new(
+        slot: Slot,
+        rx: UnboundedReceiver<Event>,
+        detok: Detokenizer,
+        prompt_tokens: usize,
+    ) -> Self {
         Pieces {
             _slot: slot,
             rx,
