@@ -48,7 +48,9 @@ fn serve(cache: &mut RadixCache, pool: &mut PagePool, request: &[u32]) -> usize 
     let hit = cache.lookup(request);
     pool.retain(&hit);
     let full = request.len() / PAGE;
-    let new = pool.alloc(full - hit.len()).expect("the pool is sized for the run");
+    let new = pool
+        .alloc(full - hit.len())
+        .expect("the pool is sized for the run");
     let pages: Vec<u32> = hit.iter().chain(&new).copied().collect();
     cache.insert(&request[..full * PAGE], &pages, pool);
     pool.release(&pages);
@@ -59,18 +61,21 @@ fn radix(c: &mut Criterion) {
     let (mut cache, mut pool, mut sessions) = cached_sessions();
     let mut rng = Rng::new(11);
     let mut next = 0;
-    c.bench_function("radix match+insert, 100k-token turn among 1000 sessions", |b| {
-        b.iter_batched(
-            || {
-                let s = &mut sessions[next % SESSIONS];
-                next += 1;
-                s.extend(tokens(&mut rng, TURN));
-                s.clone()
-            },
-            |request| serve(&mut cache, &mut pool, &request),
-            BatchSize::LargeInput,
-        )
-    });
+    c.bench_function(
+        "radix match+insert, 100k-token turn among 1000 sessions",
+        |b| {
+            b.iter_batched(
+                || {
+                    let s = &mut sessions[next % SESSIONS];
+                    next += 1;
+                    s.extend(tokens(&mut rng, TURN));
+                    s.clone()
+                },
+                |request| serve(&mut cache, &mut pool, &request),
+                BatchSize::LargeInput,
+            )
+        },
+    );
 }
 
 fn scheduling(c: &mut Criterion) {
@@ -93,7 +98,10 @@ fn scheduling(c: &mut Criterion) {
         receivers.push(rx);
         sched.add(Submission {
             id,
-            prompt: tokens(&mut rng, 2000).iter().map(|t| t % VOCAB as u32).collect(),
+            prompt: tokens(&mut rng, 2000)
+                .iter()
+                .map(|t| t % VOCAB as u32)
+                .collect(),
             params: SamplingParams {
                 max_tokens: 1 << 20,
                 ..SamplingParams::default()
