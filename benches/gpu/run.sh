@@ -30,7 +30,8 @@ case "${1:-}" in
     mkdir -p .gpu
     cp "$(test_exe kiln-conformance conformance)" .gpu/conformance
     cp "$(test_exe kiln hf_conformance)" .gpu/hf_conformance
-    cp target/cuda/release/kiln target/cuda/release/layer_decode target/cuda/release/gemm_peer .gpu/
+    cp target/cuda/release/kiln target/cuda/release/layer_decode target/cuda/release/gemm_peer \
+      target/cuda/release/gemm_decode .gpu/
     strip .gpu/*
     ls -la .gpu
     ;;
