@@ -342,13 +342,8 @@ fn skinny_config<R: Runtime>(
     };
     skinny::SkinnyConfig {
         tokens,
-        // Registers: tokens * rows partial and running sums per unit; at M = 1 a cube owns
-        // 8 rows so each activation load serves more weights.
-        rows: match (format, tokens) {
-            (WeightFormat::Nvfp4, 1) => 8,
-            (_, 1..=4) => 4,
-            _ => 2,
-        },
+        // Registers: tokens * rows partial and running sums per unit.
+        rows: if tokens <= 4 { 4 } else { 2 },
         units: 32 * vectors_per_row.div_ceil(32).clamp(1, 4) as u32,
         format,
         plane,

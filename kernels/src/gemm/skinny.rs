@@ -145,6 +145,7 @@ fn nvfp4_rows<F: Float>(
     let mut partial = Array::<f32>::new(outputs);
     let mut codes = Array::<Vector<u32, Const<4>>>::new(rows);
     let mut scale_pairs = Array::<u32>::new(rows);
+    let mut w = Array::<f32>::new(comptime!(cfg.rows as usize * 8));
     for c in range_stepped(UNIT_POS as usize, chunks, cfg.units as usize) {
         // Issue every row's loads before the first use.
         #[unroll]
@@ -164,30 +165,30 @@ fn nvfp4_rows<F: Float>(
             #[unroll]
             for half in 0..2usize {
                 let word_idx = blk * 2 + half;
-                if comptime!(cfg.tokens <= 4) {
-                    nvfp4_word_tokens_first(
-                        a,
-                        &codes,
-                        &mut partial,
-                        m,
-                        k,
-                        c,
-                        word_idx,
-                        a_prescale,
-                        cfg,
-                    );
-                } else {
-                    nvfp4_word_rows_first(
-                        a,
-                        &codes,
-                        &mut partial,
-                        m,
-                        k,
-                        c,
-                        word_idx,
-                        a_prescale,
-                        cfg,
-                    );
+                #[unroll]
+                for r in 0..rows {
+                    let word = codes[r][word_idx];
+                    #[unroll]
+                    for j in 0..8u32 {
+                        w[r * 8 + j as usize] = decode_e2m1(word, j, cfg.subnormal_decode);
+                    }
+                }
+                #[unroll]
+                for t in 0..tokens {
+                    let base = (token_row(t, m) * k + c * 32 + word_idx * 8) / 4;
+                    #[unroll]
+                    for q in 0..2usize {
+                        let x = load_a4(a, base + q, a_prescale);
+                        #[unroll]
+                        for r in 0..rows {
+                            let mut acc = partial[t * rows + r];
+                            #[unroll]
+                            for i in 0..4usize {
+                                acc += x[i] * w[r * 8 + q * 4 + i];
+                            }
+                            partial[t * rows + r] = acc;
+                        }
+                    }
                 }
             }
             #[unroll]
@@ -198,96 +199,6 @@ fn nvfp4_rows<F: Float>(
                 for t in 0..tokens {
                     total[t * rows + r] += partial[t * rows + r] * scale;
                 }
-            }
-        }
-    }
-}
-
-/// One word (8 codes) of every row against few tokens: the tokens' 8 activations are
-/// loaded first, then each code is decoded once and used at once (no decoded-weight array,
-/// so a cube can own more rows).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn nvfp4_word_tokens_first<F: Float>(
-    a: &Array<Vector<F, Const<4>>>,
-    codes: &Array<Vector<u32, Const<4>>>,
-    partial: &mut Array<f32>,
-    m: u32,
-    k: usize,
-    c: usize,
-    word_idx: usize,
-    a_prescale: f32,
-    #[comptime] cfg: SkinnyConfig,
-) {
-    let tokens = comptime!(cfg.tokens as usize);
-    let rows = comptime!(cfg.rows as usize);
-    let mut xa = Array::<f32>::new(comptime!(cfg.tokens as usize * 8));
-    #[unroll]
-    for t in 0..tokens {
-        let base = (token_row(t, m) * k + c * 32 + word_idx * 8) / 4;
-        #[unroll]
-        for q in 0..2usize {
-            let x = load_a4(a, base + q, a_prescale);
-            #[unroll]
-            for i in 0..4usize {
-                xa[t * 8 + q * 4 + i] = x[i];
-            }
-        }
-    }
-    #[unroll]
-    for r in 0..rows {
-        let word = codes[r][word_idx];
-        #[unroll]
-        for j in 0..8u32 {
-            let wv = decode_e2m1(word, j, cfg.subnormal_decode);
-            #[unroll]
-            for t in 0..tokens {
-                partial[t * rows + r] += xa[t * 8 + j as usize] * wv;
-            }
-        }
-    }
-}
-
-/// One word (8 codes) of every row against many tokens: each row's codes are decoded once
-/// into registers, then every token's activations are loaded and applied to all rows.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn nvfp4_word_rows_first<F: Float>(
-    a: &Array<Vector<F, Const<4>>>,
-    codes: &Array<Vector<u32, Const<4>>>,
-    partial: &mut Array<f32>,
-    m: u32,
-    k: usize,
-    c: usize,
-    word_idx: usize,
-    a_prescale: f32,
-    #[comptime] cfg: SkinnyConfig,
-) {
-    let tokens = comptime!(cfg.tokens as usize);
-    let rows = comptime!(cfg.rows as usize);
-    let mut w = Array::<f32>::new(comptime!(cfg.rows as usize * 8));
-    #[unroll]
-    for r in 0..rows {
-        let word = codes[r][word_idx];
-        #[unroll]
-        for j in 0..8u32 {
-            w[r * 8 + j as usize] = decode_e2m1(word, j, cfg.subnormal_decode);
-        }
-    }
-    #[unroll]
-    for t in 0..tokens {
-        let base = (token_row(t, m) * k + c * 32 + word_idx * 8) / 4;
-        #[unroll]
-        for q in 0..2usize {
-            let x = load_a4(a, base + q, a_prescale);
-            #[unroll]
-            for r in 0..rows {
-                let mut acc = partial[t * rows + r];
-                #[unroll]
-                for i in 0..4usize {
-                    acc += x[i] * w[r * 8 + q * 4 + i];
-                }
-                partial[t * rows + r] = acc;
             }
         }
     }
