@@ -18,7 +18,7 @@ use kiln_kernels::mla::KvFormat;
 
 use crate::cache::CacheKind;
 use crate::metrics::Metrics;
-use crate::model::gpu::GpuModel;
+use crate::model::gpu::{GpuModel, KvPool};
 use crate::model::Checkpoint;
 use crate::scheduler::{policy, Scheduler, SchedulerConfig, Submission};
 
@@ -197,30 +197,42 @@ impl BackendVisitor for Runner {
         if self.ready.send(Ok(info)).is_err() {
             return;
         }
-        loop {
-            // Idle: block for work (waking now and then to notice a closed channel).
-            while sched.is_idle() {
-                match self.requests.recv_timeout(Duration::from_millis(500)) {
-                    Ok(s) => sched.add(s),
-                    Err(RecvTimeoutError::Timeout) => {}
-                    Err(RecvTimeoutError::Disconnected) => return,
-                }
+        run(&model, &pool, &mut sched, &self.requests, vocab);
+    }
+}
+
+/// The engine loop: take new requests, drop cancelled ones, run a step, hand out its
+/// tokens; block while idle. Returns when the server side hangs up.
+fn run<R: Runtime>(
+    model: &GpuModel<R>,
+    pool: &KvPool,
+    sched: &mut Scheduler,
+    requests: &Receiver<Submission>,
+    vocab: usize,
+) {
+    loop {
+        // Idle: block for work (waking now and then to notice a closed channel).
+        while sched.is_idle() {
+            match requests.recv_timeout(Duration::from_millis(500)) {
+                Ok(s) => sched.add(s),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
             }
-            while let Ok(s) = self.requests.try_recv() {
-                sched.add(s);
-            }
-            sched.abort_cancelled();
-            let Some(step) = sched.schedule() else {
-                // Waiting requests that cannot start yet: wait for new work, not spin.
-                std::thread::sleep(Duration::from_millis(1));
-                continue;
-            };
-            match model.step(&step.batch, &pool) {
-                Ok(out) => sched.complete(step, &out.logits, vocab),
-                Err(e) => {
-                    tracing::error!(error = %e, "step failed");
-                    sched.fail(step, &e.to_string());
-                }
+        }
+        while let Ok(s) = requests.try_recv() {
+            sched.add(s);
+        }
+        sched.abort_cancelled();
+        let Some(step) = sched.schedule() else {
+            // Waiting requests that cannot start yet: wait for new work, not spin.
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        };
+        match model.step(&step.batch, pool) {
+            Ok(out) => sched.complete(step, &out.logits, vocab),
+            Err(e) => {
+                tracing::error!(error = %e, "step failed");
+                sched.fail(step, &e.to_string());
             }
         }
     }
