@@ -233,70 +233,97 @@ pub async fn chat(
         .map_err(|m| ApiError::invalid(m, Some("messages")))
         .inspect_err(|_| state.rejected())?;
     let p = prepare(&state, prompt, c.sampling()).inspect_err(|_| state.rejected())?;
-    let prompt_ids = p.prompt.clone();
-    let mut pieces = start(&state, &p, session_id(&headers))?;
-    let (id, created, model) = (
-        format!("chatcmpl-{}", p.id),
-        unix_time(),
-        state.model_name.clone(),
-    );
-    let ids_wanted = c.return_token_ids;
-    let st = state.clone();
+    let pieces = start(&state, &p, session_id(&headers))?;
+    let reply = Reply {
+        id: format!("chatcmpl-{}", p.id),
+        created: unix_time(),
+        model: state.model_name.clone(),
+        prompt_ids: p.prompt,
+        ids_wanted: c.return_token_ids,
+        include_usage: c.include_usage(),
+    };
     if c.stream {
-        let include_usage = c.include_usage();
-        let mut first = true;
-        return Ok(sse(pieces, move |piece, all_ids| {
-            let chunk = |delta: Value, finish: Option<&str>| {
-                json!({"id": id, "object": "chat.completion.chunk", "created": created,
-                       "model": model, "choices": [{"index": 0, "delta": delta,
-                       "finish_reason": finish}]})
-            };
-            let fmt = st.chat.as_ref().expect("checked above");
-            match piece {
-                Err(e) => vec![error_chunk(&e)],
-                Ok(Piece::Delta { text, ids }) => {
-                    let in_calls = fmt.section_start(all_ids).is_some();
-                    let mut delta = json!({"content": if in_calls { String::new() } else { text }});
-                    if std::mem::take(&mut first) {
-                        delta["role"] = json!("assistant");
-                        if ids_wanted {
-                            delta["prompt_token_ids"] = json!(prompt_ids);
-                        }
-                    }
-                    if ids_wanted {
-                        delta["token_ids"] = json!(ids);
-                    }
-                    vec![chunk(delta, None)]
-                }
-                Ok(Piece::Done(o)) => {
-                    let calls = tool_calls(&st, all_ids);
-                    let mut out = Vec::new();
-                    let finish = if calls.is_empty() {
-                        o.reason.as_str()
-                    } else {
-                        let indexed: Vec<Value> = (calls.iter().enumerate())
-                            .map(|(i, c)| {
-                                let mut v = json!(c);
-                                v["index"] = json!(i);
-                                v
-                            })
-                            .collect();
-                        out.push(chunk(json!({"tool_calls": indexed}), None));
-                        "tool_calls"
-                    };
-                    out.push(chunk(json!({}), Some(finish)));
-                    if include_usage {
-                        out.push(json!({"id": id, "object": "chat.completion.chunk",
-                            "created": created, "model": model, "choices": [],
-                            "usage": usage_json(&o)}));
-                    }
-                    out
-                }
-            }
-        }));
+        return Ok(chat_stream(state, pieces, reply));
     }
-    let (text, outcome) = collect_chat(&mut pieces, &state).await?;
-    let calls = tool_calls(&state, pieces.ids());
+    chat_whole(&state, pieces, reply).await
+}
+
+/// What every chunk or body of one chat reply repeats.
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    prompt_ids: Vec<u32>,
+    ids_wanted: bool,
+    include_usage: bool,
+}
+
+impl Reply {
+    fn chunk(&self, delta: Value, finish: Option<&str>) -> Value {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+               "model": self.model, "choices": [{"index": 0, "delta": delta,
+               "finish_reason": finish}]})
+    }
+}
+
+/// The chat reply as SSE chunks: content deltas (none once a tool-call section starts),
+/// then the tool calls, the finish reason and, if asked, the usage.
+fn chat_stream(state: SharedState, pieces: Pieces, reply: Reply) -> Response {
+    let mut first = true;
+    sse(pieces, move |piece, all_ids| {
+        let fmt = state.chat.as_ref().expect("checked by the caller");
+        match piece {
+            Err(e) => vec![error_chunk(&e)],
+            Ok(Piece::Delta { text, ids }) => {
+                let in_calls = fmt.section_start(all_ids).is_some();
+                let mut delta = json!({"content": if in_calls { String::new() } else { text }});
+                if std::mem::take(&mut first) {
+                    delta["role"] = json!("assistant");
+                    if reply.ids_wanted {
+                        delta["prompt_token_ids"] = json!(reply.prompt_ids);
+                    }
+                }
+                if reply.ids_wanted {
+                    delta["token_ids"] = json!(ids);
+                }
+                vec![reply.chunk(delta, None)]
+            }
+            Ok(Piece::Done(o)) => {
+                let calls = tool_calls(&state, all_ids);
+                let mut out = Vec::new();
+                let finish = if calls.is_empty() {
+                    o.reason.as_str()
+                } else {
+                    let indexed: Vec<Value> = (calls.iter().enumerate())
+                        .map(|(i, c)| {
+                            let mut v = json!(c);
+                            v["index"] = json!(i);
+                            v
+                        })
+                        .collect();
+                    out.push(reply.chunk(json!({"tool_calls": indexed}), None));
+                    "tool_calls"
+                };
+                out.push(reply.chunk(json!({}), Some(finish)));
+                if reply.include_usage {
+                    out.push(json!({"id": reply.id, "object": "chat.completion.chunk",
+                        "created": reply.created, "model": reply.model, "choices": [],
+                        "usage": usage_json(&o)}));
+                }
+                out
+            }
+        }
+    })
+}
+
+/// The chat reply as one body, once the generation ends.
+async fn chat_whole(
+    state: &AppState,
+    mut pieces: Pieces,
+    reply: Reply,
+) -> Result<Response, ApiError> {
+    let (text, outcome) = collect_chat(&mut pieces, state).await?;
+    let calls = tool_calls(state, pieces.ids());
     let mut message = json!({"role": "assistant", "content": text});
     let finish = if calls.is_empty() {
         outcome.reason.as_str()
@@ -306,15 +333,15 @@ pub async fn chat(
     };
     let mut choice = json!({"index": 0, "message": message, "finish_reason": finish,
                             "logprobs": null});
-    if ids_wanted {
+    if reply.ids_wanted {
         choice["token_ids"] = json!(pieces.ids());
     }
     let mut body = json!({
-        "id": id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [choice], "usage": usage_json(&outcome),
+        "id": reply.id, "object": "chat.completion", "created": reply.created,
+        "model": reply.model, "choices": [choice], "usage": usage_json(&outcome),
     });
-    if ids_wanted {
-        body["prompt_token_ids"] = json!(prompt_ids);
+    if reply.ids_wanted {
+        body["prompt_token_ids"] = json!(reply.prompt_ids);
     }
     Ok(Json(body).into_response())
 }
