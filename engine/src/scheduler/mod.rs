@@ -27,6 +27,9 @@ use crate::metrics::Metrics;
 use crate::model::gpu::{Batch, RequestSlice};
 use crate::sampling::sample;
 
+/// Fewest pages one eviction frees when the free list runs short.
+const EVICT_BATCH: usize = 16;
+
 /// Limits the scheduler works within.
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
@@ -124,22 +127,26 @@ impl Scheduler {
     pub fn schedule(&mut self) -> Option<Step> {
         let mut budget = self.cfg.max_batch_tokens;
         let mut plan: Vec<usize> = vec![0; self.running.len()];
+        // A running request left out for lack of pages: newcomers must not take them.
+        let mut starved = false;
         // Decode first, then prefill chunks, each in admission order.
         for decode_pass in [true, false] {
             let mut i = 0;
             while i < self.running.len() && budget > 0 {
                 let pending = self.running[i].pending();
                 if plan[i] == 0 && (pending == 1) == decode_pass {
-                    let n = policy::chunk_len(pending, budget);
-                    if self.reserve(i, n, &mut plan) {
-                        plan[i] = n;
-                        budget -= n;
+                    match self.plan_one(i, policy::chunk_len(pending, budget), &mut plan) {
+                        Some(n) => {
+                            plan[i] = n;
+                            budget -= n;
+                        }
+                        None => starved = true,
                     }
                 }
                 i += 1;
             }
         }
-        while budget > 0 && self.running.len() < self.cfg.max_running {
+        while !starved && budget > 0 && self.running.len() < self.cfg.max_running {
             let Some(n) = self.admit(budget) else { break };
             plan.push(n);
             budget -= n;
@@ -159,6 +166,19 @@ impl Scheduler {
             batch: Batch::last_logits(requests),
             slices,
         })
+    }
+
+    /// Reserves pages for `n` tokens of running request `i`, or for the longest chunk the
+    /// pool can still give it; the tokens it will run, `None` if none.
+    fn plan_one(&mut self, i: usize, n: usize, plan: &mut Vec<usize>) -> Option<usize> {
+        if self.reserve(i, n, plan) {
+            return Some(n);
+        }
+        let r = &self.running[i];
+        let available = self.pool.free_pages() + self.pool.cache_only_pages();
+        let fit = policy::chunk_that_fits(r.computed, r.pages.len(), available, self.cfg.page_size)
+            .min(n);
+        (fit > 0 && self.reserve(i, fit, plan)).then_some(fit)
     }
 
     /// Gives running request `i` pages for `n` more tokens: from the free list, then by
@@ -181,11 +201,12 @@ impl Scheduler {
         }
     }
 
-    /// `n` pages from the free list, evicting cached prefixes if needed.
+    /// `n` pages from the free list, evicting cached prefixes if needed (at least
+    /// [`EVICT_BATCH`] pages at a time: each eviction walks the cache's leaves).
     fn take_pages(&mut self, n: usize) -> Option<Vec<u32>> {
         let short = n.saturating_sub(self.pool.free_pages());
         if short > 0 {
-            self.cache.evict(short, &mut self.pool);
+            self.cache.evict(short.max(EVICT_BATCH), &mut self.pool);
         }
         self.pool.alloc(n)
     }

@@ -11,6 +11,12 @@ pub fn pages_needed(kv_len: usize, page_size: usize, have: usize) -> usize {
     kv_len.div_ceil(page_size).saturating_sub(have)
 }
 
+/// The longest chunk a request can run with the pages it holds plus `available` more
+/// (free or held only by the cache): a prefill that does not fit whole still progresses.
+pub fn chunk_that_fits(computed: usize, held: usize, available: usize, page_size: usize) -> usize {
+    ((held + available) * page_size).saturating_sub(computed)
+}
+
 /// How many cached pages a new request may reuse: its last prompt token is always run
 /// (its logits give the first output token), and a page is shared only whole.
 pub fn reusable_pages(hit_pages: usize, tokens: usize, page_size: usize) -> usize {
@@ -43,6 +49,13 @@ mod tests {
         assert_eq!(pages_needed(64, 64, 1), 0);
         assert_eq!(pages_needed(65, 64, 1), 1);
         assert_eq!(pages_needed(200, 64, 0), 4);
+    }
+
+    #[test]
+    fn a_prefill_chunk_shrinks_to_the_pages_there_are() {
+        // 100 tokens computed in 2 pages of 64; 1 more page available: up to 192 tokens.
+        assert_eq!(chunk_that_fits(100, 2, 1, 64), 92);
+        assert_eq!(chunk_that_fits(128, 2, 0, 64), 0);
     }
 
     #[test]

@@ -176,6 +176,16 @@ impl KimiFormat {
         Ok(ids)
     }
 
+    /// The token that starts a tool-call section (the content ends there).
+    pub fn section_begin(&self) -> u32 {
+        self.section_begin
+    }
+
+    /// `<|im_end|>`: the end of a turn, so the end of a chat reply.
+    pub fn turn_end(&self) -> u32 {
+        self.end
+    }
+
     /// Where the tool-call section starts in generated ids (the content is before it).
     pub fn section_start(&self, ids: &[u32]) -> Option<usize> {
         ids.iter().position(|&t| t == self.section_begin)

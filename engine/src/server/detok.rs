@@ -1,6 +1,8 @@
 //! Generated ids to text, incrementally: each new token yields the text it completes,
 //! holding back bytes that are not yet whole characters and the tail that could still
-//! become a stop string (so a stop string is never streamed, as OpenAI specifies).
+//! become a stop string (so a stop string is never streamed, as OpenAI specifies). An
+//! optional end-of-text token (chat: the start of a tool-call section) ends the text: what
+//! was held back is released and nothing after it is text or matched against stops.
 use std::sync::Arc;
 
 use crate::model::tokenizer::TextCodec;
@@ -14,16 +16,21 @@ pub struct Detokenizer {
     sent: usize,
     /// Set once a stop string appeared: the text ends before it.
     stopped: bool,
+    /// The token after which there is no more text, and whether it came.
+    end_of_text: Option<u32>,
+    closed: bool,
 }
 
 impl Detokenizer {
-    pub fn new(codec: Arc<TextCodec>, stops: Vec<String>) -> Self {
+    pub fn new(codec: Arc<TextCodec>, stops: Vec<String>, end_of_text: Option<u32>) -> Self {
         Detokenizer {
             codec,
             ids: Vec::new(),
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             sent: 0,
             stopped: false,
+            end_of_text,
+            closed: false,
         }
     }
 
@@ -43,6 +50,13 @@ impl Detokenizer {
             return String::new();
         }
         self.ids.push(id);
+        if self.closed {
+            return String::new();
+        }
+        if Some(id) == self.end_of_text {
+            self.closed = true;
+            return self.flush(self.ids.len() - 1);
+        }
         let text = self.codec.decode(&self.ids).unwrap_or_default();
         let search_from = floor_char(&text, self.sent.saturating_sub(self.longest_stop()));
         let stop_at = (self.stops.iter())
@@ -71,10 +85,15 @@ impl Detokenizer {
 
     /// The text still held back, at the end of the generation.
     pub fn finish(&mut self) -> String {
-        if self.stopped {
+        if self.stopped || self.closed {
             return String::new();
         }
-        let text = self.codec.decode(&self.ids).unwrap_or_default();
+        self.flush(self.ids.len())
+    }
+
+    /// Everything not yet handed out of the text of the first `ids` ids.
+    fn flush(&mut self, ids: usize) -> String {
+        let text = self.codec.decode(&self.ids[..ids]).unwrap_or_default();
         let end = text.len();
         self.take(&text, end)
     }
@@ -110,7 +129,9 @@ mod tests {
     fn stream(text: &str, stops: &[&str]) -> (Vec<String>, bool) {
         let c = Arc::new(codec());
         let ids = c.encode(text).unwrap();
-        let mut d = Detokenizer::new(c.clone(), stops.iter().map(|s| s.to_string()).collect());
+        let stops = stops.iter().map(|s| s.to_string()).collect();
+        let end = c.token_id("<|tool_calls_section_begin|>");
+        let mut d = Detokenizer::new(c.clone(), stops, end);
         let mut parts: Vec<String> = ids.iter().map(|&t| d.push(t)).collect();
         parts.push(d.finish());
         (parts, d.stopped())
@@ -122,6 +143,20 @@ mod tests {
         let (parts, stopped) = stream(text, &[]);
         assert_eq!(parts.concat(), text);
         assert!(!stopped);
+    }
+
+    #[test]
+    fn text_held_back_for_a_stop_string_is_released_at_the_end_of_text() {
+        let (parts, stopped) = stream(
+            "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.ls:0\n",
+            &["</answer>", "\n"],
+        );
+        assert_eq!(
+            parts.concat(),
+            "Let me check.",
+            "nothing after the section is text"
+        );
+        assert!(!stopped, "the newline in the call is not matched as a stop");
     }
 
     #[test]

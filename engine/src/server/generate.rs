@@ -78,7 +78,8 @@ pub async fn generate(
     };
     let s = req.sampling_params;
     let raw = RawSampling {
-        max_tokens: s.max_new_tokens,
+        // SGLang's default when max_new_tokens is absent.
+        max_tokens: Some(s.max_new_tokens.unwrap_or(128)),
         temperature: s.temperature,
         top_p: s.top_p,
         seed: s.seed,
@@ -87,9 +88,9 @@ pub async fn generate(
         stop_token_ids: s.stop_token_ids,
         ignore_eos: s.ignore_eos,
     };
-    let p = prepare(&state, prompt, raw).inspect_err(|_| state.rejected())?;
+    let p = prepare(&state, prompt, raw, "input_ids").inspect_err(|_| state.rejected())?;
     let session = session_id(&headers).or(req.session_id);
-    let mut pieces = start(&state, &p, session)?;
+    let mut pieces = start(&state, &p, session, None)?;
     let (id, prompt_len) = (p.id.to_string(), p.prompt.len());
     if req.stream {
         let mut text = String::new();

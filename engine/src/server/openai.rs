@@ -12,6 +12,7 @@ use super::chat_format::{ChatMessage, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::run::{prepare, sse, start, Outcome, Piece, Pieces, RawSampling, Stop};
 use super::{session_id, unix_time, AppState, SharedState};
+use crate::scheduler::FinishReason;
 
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -131,9 +132,9 @@ pub async fn completions(
             ))
         }
     };
-    let p = prepare(&state, prompt, c.sampling()).inspect_err(|_| state.rejected())?;
+    let p = prepare(&state, prompt, c.sampling(), "prompt").inspect_err(|_| state.rejected())?;
     let prompt_ids = p.prompt.clone();
-    let mut pieces = start(&state, &p, session_id(&headers))?;
+    let mut pieces = start(&state, &p, session_id(&headers), None)?;
     let (id, created, model) = (
         format!("cmpl-{}", p.id),
         unix_time(),
@@ -232,8 +233,14 @@ pub async fn chat(
         .render(&state.codec, &req.messages, tools)
         .map_err(|m| ApiError::invalid(m, Some("messages")))
         .inspect_err(|_| state.rejected())?;
-    let p = prepare(&state, prompt, c.sampling()).inspect_err(|_| state.rejected())?;
-    let pieces = start(&state, &p, session_id(&headers))?;
+    // A reply ends with its turn, whatever the model's config lists as end-of-sequence.
+    let mut sampling = c.sampling();
+    let mut stops = sampling.stop_token_ids.take().unwrap_or_default();
+    stops.push(format.turn_end());
+    sampling.stop_token_ids = Some(stops);
+    let p = prepare(&state, prompt, sampling, "messages").inspect_err(|_| state.rejected())?;
+    let end_of_text = Some(format.section_begin());
+    let pieces = start(&state, &p, session_id(&headers), end_of_text)?;
     let reply = Reply {
         id: format!("chatcmpl-{}", p.id),
         created: unix_time(),
@@ -271,27 +278,26 @@ impl Reply {
 fn chat_stream(state: SharedState, pieces: Pieces, reply: Reply) -> Response {
     let mut first = true;
     sse(pieces, move |piece, all_ids| {
-        let fmt = state.chat.as_ref().expect("checked by the caller");
+        let mut out = Vec::new();
+        if std::mem::take(&mut first) {
+            let mut delta = json!({"role": "assistant", "content": ""});
+            if reply.ids_wanted {
+                delta["prompt_token_ids"] = json!(reply.prompt_ids);
+            }
+            out.push(reply.chunk(delta, None));
+        }
         match piece {
-            Err(e) => vec![error_chunk(&e)],
+            Err(e) => out.push(error_chunk(&e)),
             Ok(Piece::Delta { text, ids }) => {
-                let in_calls = fmt.section_start(all_ids).is_some();
-                let mut delta = json!({"content": if in_calls { String::new() } else { text }});
-                if std::mem::take(&mut first) {
-                    delta["role"] = json!("assistant");
-                    if reply.ids_wanted {
-                        delta["prompt_token_ids"] = json!(reply.prompt_ids);
-                    }
-                }
+                let mut delta = json!({"content": text});
                 if reply.ids_wanted {
                     delta["token_ids"] = json!(ids);
                 }
-                vec![reply.chunk(delta, None)]
+                out.push(reply.chunk(delta, None));
             }
             Ok(Piece::Done(o)) => {
                 let calls = tool_calls(&state, all_ids);
-                let mut out = Vec::new();
-                let finish = if calls.is_empty() {
+                let finish = if calls.is_empty() || o.reason == FinishReason::Length {
                     o.reason.as_str()
                 } else {
                     let indexed: Vec<Value> = (calls.iter().enumerate())
@@ -310,9 +316,9 @@ fn chat_stream(state: SharedState, pieces: Pieces, reply: Reply) -> Response {
                         "created": reply.created, "model": reply.model, "choices": [],
                         "usage": usage_json(&o)}));
                 }
-                out
             }
         }
+        out
     })
 }
 
@@ -322,10 +328,10 @@ async fn chat_whole(
     mut pieces: Pieces,
     reply: Reply,
 ) -> Result<Response, ApiError> {
-    let (text, outcome) = collect_chat(&mut pieces, state).await?;
+    let (text, outcome) = collect(&mut pieces).await?;
     let calls = tool_calls(state, pieces.ids());
     let mut message = json!({"role": "assistant", "content": text});
-    let finish = if calls.is_empty() {
+    let finish = if calls.is_empty() || outcome.reason == FinishReason::Length {
         outcome.reason.as_str()
     } else {
         message["tool_calls"] = json!(calls);
@@ -344,29 +350,6 @@ async fn chat_whole(
         body["prompt_token_ids"] = json!(reply.prompt_ids);
     }
     Ok(Json(body).into_response())
-}
-
-/// [`collect`] keeping only the text before a tool-call section.
-async fn collect_chat(
-    pieces: &mut Pieces,
-    state: &AppState,
-) -> Result<(String, Outcome), ApiError> {
-    let fmt = state.chat.as_ref().expect("checked by the caller");
-    let mut text = String::new();
-    loop {
-        let in_calls = fmt.section_start(pieces.ids()).is_some();
-        match pieces.next().await {
-            Some(Ok(Piece::Delta { text: t, .. })) if !in_calls => {
-                if fmt.section_start(pieces.ids()).is_none() {
-                    text.push_str(&t);
-                }
-            }
-            Some(Ok(Piece::Delta { .. })) => {}
-            Some(Ok(Piece::Done(o))) => return Ok((text, o)),
-            Some(Err(e)) => return Err(e),
-            None => unreachable!("pieces end with Done or an error"),
-        }
-    }
 }
 
 fn tool_calls(state: &AppState, ids: &[u32]) -> Vec<ToolCall> {

@@ -52,8 +52,13 @@ pub struct Prepared {
     pub stops: Vec<String>,
 }
 
-/// Checks sampling fields and the prompt; picks defaults.
-pub fn prepare(state: &AppState, prompt: Vec<u32>, raw: RawSampling) -> Result<Prepared, ApiError> {
+/// Checks sampling fields and the prompt (named `prompt_field` in errors); picks defaults.
+pub fn prepare(
+    state: &AppState,
+    prompt: Vec<u32>,
+    raw: RawSampling,
+    prompt_field: &'static str,
+) -> Result<Prepared, ApiError> {
     let info = &state.engine.info;
     if raw.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
@@ -87,7 +92,7 @@ pub fn prepare(state: &AppState, prompt: Vec<u32>, raw: RawSampling) -> Result<P
         ));
     }
     info.check(&prompt, max_tokens)
-        .map_err(|m| ApiError::invalid(m, Some("prompt")))?;
+        .map_err(|m| ApiError::invalid(m, Some(prompt_field)))?;
     let id = state.engine.next_id();
     Ok(Prepared {
         id,
@@ -261,10 +266,16 @@ impl Pieces {
     }
 }
 
-/// Runs `p` for a client: the pieces of its generation.
-pub fn start(state: &AppState, p: &Prepared, session: Option<String>) -> Result<Pieces, ApiError> {
+/// Runs `p` for a client: the pieces of its generation, whose text ends at `end_of_text`
+/// (chat: the start of a tool-call section).
+pub fn start(
+    state: &AppState,
+    p: &Prepared,
+    session: Option<String>,
+    end_of_text: Option<u32>,
+) -> Result<Pieces, ApiError> {
     let (slot, rx) = submit(state, p, session)?;
-    let detok = Detokenizer::new(state.codec.clone(), p.stops.clone());
+    let detok = Detokenizer::new(state.codec.clone(), p.stops.clone(), end_of_text);
     Ok(Pieces::new(slot, rx, detok, p.prompt.len()))
 }
 
