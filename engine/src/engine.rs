@@ -88,9 +88,15 @@ pub struct EngineHandle {
     pub info: ModelInfo,
     pub metrics: Arc<Metrics>,
     next_id: AtomicU64,
+    thread: std::thread::JoinHandle<()>,
 }
 
 impl EngineHandle {
+    /// Whether the engine thread still runs (it ends on a panic, e.g. a device failure).
+    pub fn is_alive(&self) -> bool {
+        !self.thread.is_finished()
+    }
+
     /// A fresh request id.
     pub fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
@@ -110,7 +116,7 @@ pub fn start(cfg: EngineConfig, ckpt: Checkpoint) -> anyhow::Result<EngineHandle
     let (ready_tx, ready) = mpsc::channel();
     let metrics = Arc::new(Metrics::default());
     let m = metrics.clone();
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("kiln-engine".into())
         .spawn(move || {
             let kind = cfg.backend;
@@ -134,6 +140,7 @@ pub fn start(cfg: EngineConfig, ckpt: Checkpoint) -> anyhow::Result<EngineHandle
         info,
         metrics,
         next_id: AtomicU64::new(0),
+        thread,
     })
 }
 

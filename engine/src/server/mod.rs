@@ -101,7 +101,7 @@ pub fn router(state: SharedState) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
         .merge(api)
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|| async {
             ApiError::with_status(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
@@ -128,6 +128,20 @@ async fn require_key(State(state): State<SharedState>, req: Request, next: Next)
         }
     }
     next.run(req).await
+}
+
+/// 200 while the engine thread runs, 503 once it has died (so a router drains the replica).
+async fn health(State(state): State<SharedState>) -> Response {
+    if state.engine.is_alive() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        ApiError::with_status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "engine_stopped",
+            "the engine thread has stopped; see the server's log",
+        )
+        .into_response()
+    }
 }
 
 async fn models(State(state): State<SharedState>) -> Json<serde_json::Value> {
