@@ -299,20 +299,24 @@ impl Scheduler {
                 None => {}
             }
         }
+        // Pages and gauges first, then the news: a client that has its answer sees the
+        // server's metrics without its request.
+        let mut done = Vec::with_capacity(finished.len());
         for (id, reason) in finished {
             let idx = self.running.iter().position(|r| r.id == id);
             let r = self
                 .running
                 .remove(idx.expect("finished requests are running"));
-            let _ = r.events.send(Event::Finished {
-                reason,
-                usage: r.usage(),
-            });
-            self.metrics.requests_finished.add(1);
-            tracing::debug!(id, reason = reason.as_str(), usage = ?r.usage(), "finished");
+            let (usage, events) = (r.usage(), r.events.clone());
+            tracing::debug!(id, reason = reason.as_str(), ?usage, "finished");
             self.retire(r);
+            done.push((events, Event::Finished { reason, usage }));
         }
+        self.metrics.requests_finished.add(done.len() as u64);
         self.publish();
+        for (events, finished) in done {
+            let _ = events.send(finished);
+        }
     }
 
     /// Fails every request of `step` (the device step failed) and frees their pages.
