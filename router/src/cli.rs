@@ -1,5 +1,7 @@
 //! `kiln route`: its arguments and entry point (serve, or simulate with `--simulate`).
 
+use axum::serve::ListenerExt;
+
 use crate::error::RouterError;
 use crate::placer::Placer;
 use crate::policy::{KilnParams, PolicyName};
@@ -132,6 +134,13 @@ pub async fn serve(args: RouteArgs) -> Result<(), RouterError> {
     tokio::spawn(crate::health::reload_on_sighup(state.clone()));
     tracing::info!(policy = %args.policy, replicas = state.placer().replicas().len(), "routing");
     println!("kiln route listening on http://{local}");
+    // Streamed tokens are small writes: without TCP_NODELAY, Nagle's algorithm and the
+    // client's delayed ACK hold each back ~40 ms.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY not set: {e}");
+        }
+    });
     axum::serve(listener, app(state))
         .await
         .map_err(|source| RouterError::Io {
