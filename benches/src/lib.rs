@@ -70,3 +70,22 @@ pub fn floor_seconds(c: &ModelConfig, tokens: usize, kv_tokens_read: usize) -> (
         + kv_tokens_read as f64 * 1152.0;
     (bytes, bytes / HBM_BYTES_PER_S)
 }
+
+/// cuBLAS's bf16 `C[m, n] = A[m, k] W[n, k]^T` (row-major), as the column-major call
+/// `C^T = W A^T`: the peer both GEMM benches time kiln against.
+#[cfg(feature = "cuda")]
+pub fn cublas_bf16_nt(m: usize, n: usize, k: usize) -> cudarc::cublas::GemmConfig<half::bf16> {
+    use cudarc::cublas::sys::cublasOperation_t;
+    cudarc::cublas::GemmConfig {
+        transa: cublasOperation_t::CUBLAS_OP_T,
+        transb: cublasOperation_t::CUBLAS_OP_N,
+        m: n as i32,
+        n: m as i32,
+        k: k as i32,
+        alpha: half::bf16::ONE,
+        lda: k as i32,
+        ldb: k as i32,
+        beta: half::bf16::ZERO,
+        ldc: n as i32,
+    }
+}

@@ -33,7 +33,7 @@ mod decode {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cubecl::prelude::*;
     use cubecl::server::Handle;
-    use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+    use cudarc::cublas::{CudaBlas, Gemm};
     use cudarc::driver::sys::CUevent_flags;
     use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
     use half::bf16;
@@ -292,18 +292,7 @@ mod decode {
     ) -> anyhow::Result<f64> {
         let a = stream.clone_htod(&vec![bf16::from_f32(0.5); m * k])?;
         let mut c = stream.alloc_zeros::<bf16>(m * n)?;
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: n as i32,
-            n: m as i32,
-            k: k as i32,
-            alpha: bf16::ONE,
-            lda: k as i32,
-            ldb: k as i32,
-            beta: bf16::ZERO,
-            ldc: n as i32,
-        };
+        let cfg = kiln_benches::cublas_bf16_nt(m, n, k);
         let mut times = Vec::new();
         for rep in 0..=REPS {
             stream.memset_zeros(blocker)?;

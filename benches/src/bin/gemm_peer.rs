@@ -22,7 +22,7 @@ mod peer {
 
     use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cubecl::prelude::*;
-    use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+    use cudarc::cublas::{CudaBlas, Gemm};
     use cudarc::driver::CudaContext;
     use half::bf16;
     use kiln_benches::HBM_BYTES_PER_S;
@@ -110,18 +110,7 @@ mod peer {
                 });
                 let a_cu = stream.clone_htod(&a)?;
                 let mut c_cu = stream.alloc_zeros::<bf16>(m * n)?;
-                let cfg = GemmConfig {
-                    transa: cublasOperation_t::CUBLAS_OP_T,
-                    transb: cublasOperation_t::CUBLAS_OP_N,
-                    m: n as i32,
-                    n: m as i32,
-                    k: k as i32,
-                    alpha: bf16::ONE,
-                    lda: k as i32,
-                    ldb: k as i32,
-                    beta: bf16::ZERO,
-                    ldc: n as i32,
-                };
+                let cfg = kiln_benches::cublas_bf16_nt(m, n, k);
                 // SAFETY: buffers hold [n, k], [m, k] and [m, n] bf16 values as the config says.
                 let gemm = |i: usize, c: &mut cudarc::driver::CudaSlice<bf16>| unsafe {
                     blas.gemm(cfg, &theirs[i % copies], &a_cu, c)
