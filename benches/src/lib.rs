@@ -1,5 +1,8 @@
 //! Shared pieces of kiln's GPU benchmarks: the Kimi-K2 layer shape and its byte counts.
 use kiln_reference::model::ModelConfig;
+
+#[cfg(feature = "cuda")]
+pub mod device_time;
 use kiln_reference::rope::YarnConfig;
 
 /// The copy bandwidth measured on the H200 (read + write), the floor's denominator.

@@ -3,11 +3,8 @@
 //!
 //! For each (N, K, M) it first checks kiln's result against the reference on a sample of
 //! output columns (all M rows, 64-bit sums, the f32 accumulation bound), then times:
-//! - kiln: CubeCL exposes no device events on its stream, and a warm CubeCL launch costs
-//!   ~7 us of host time, more than a small GEMM takes on the device. So a spin kernel
-//!   (a dependent FMA chain, ~3 ms) is launched first and `launches` GEMMs are queued behind
-//!   it; the per-launch device time is (spin + GEMMs) - (spin alone), median of the paired
-//!   differences over 7 repetitions. The host's enqueue time is checked to end before the spin.
+//! - kiln: `launches` GEMMs queued behind a ~3 ms spin kernel, minus the spin alone
+//!   (`kiln_benches::device_time`); the host's enqueue time is checked to end before the spin.
 //! - cuBLAS: CUDA events around `launches` GEMMs queued behind a 2 GiB memset.
 //!
 //! Weights rotate over enough copies (>= 256 MB in all) that the 60 MB L2 never holds the
@@ -28,15 +25,15 @@ fn main() {
 
 #[cfg(feature = "cuda")]
 mod decode {
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cubecl::prelude::*;
-    use cubecl::server::Handle;
     use cudarc::cublas::{CudaBlas, Gemm};
     use cudarc::driver::sys::CUevent_flags;
     use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
     use half::bf16;
+    use kiln_benches::device_time::{median, Client, SpinTimer, REPS};
     use kiln_benches::HBM_BYTES_PER_S;
     use kiln_kernels::gemm::{bf16_gemm, nvfp4_gemm, Bf16Weights, Nvfp4Weights};
     use kiln_kernels::DeviceArray;
@@ -48,20 +45,8 @@ mod decode {
     /// (N, K): Kimi-K2/DeepSeek-V3 decode projections.
     const SHAPES: [(usize, usize); 4] = [(4096, 7168), (7168, 2048), (36864, 7168), (7168, 18432)];
     const MS: [usize; 3] = [1, 4, 16];
-    const REPS: usize = 7;
     /// Output columns checked against the reference per (shape, M).
     const SAMPLE_COLS: usize = 97;
-
-    type Client = ComputeClient<CudaRuntime>;
-
-    #[cube(launch)]
-    fn spin(x: &mut Array<f32>, iters: u32) {
-        let mut v = x[0];
-        for _ in 0..iters {
-            v = v * 0.999_999 + 0.000_001;
-        }
-        x[0] = v;
-    }
 
     #[derive(serde::Serialize)]
     struct Row {
@@ -211,73 +196,6 @@ mod decode {
         Ok(())
     }
 
-    fn median(mut v: Vec<f64>) -> f64 {
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        v[v.len() / 2]
-    }
-
-    fn sync(client: &Client) {
-        cubecl::future::block_on(client.sync()).expect("sync");
-    }
-
-    /// Spin iterations that take about `target` on the device.
-    fn calibrate_spin(client: &Client, buf: &Handle, target: Duration) -> u32 {
-        let run = |iters: u32| {
-            let start = Instant::now();
-            spin::launch::<CudaRuntime>(
-                client,
-                CubeCount::Static(1, 1, 1),
-                CubeDim::new_1d(1),
-                unsafe { ArrayArg::from_raw_parts(buf.clone(), 1) },
-                iters,
-            );
-            sync(client);
-            start.elapsed()
-        };
-        run(1000);
-        let probe = 200_000;
-        let t = (0..3).map(|_| run(probe)).min().unwrap();
-        (probe as f64 * target.as_secs_f64() / t.as_secs_f64()) as u32
-    }
-
-    /// Device seconds per launch of `launch` (see the module docs), the enqueue time of all
-    /// launches, and the spin time.
-    fn time_kiln(
-        client: &Client,
-        spin_buf: &Handle,
-        iters: u32,
-        launches: usize,
-        mut launch: impl FnMut(usize),
-    ) -> (f64, f64, f64) {
-        let spin_now = || {
-            spin::launch::<CudaRuntime>(
-                client,
-                CubeCount::Static(1, 1, 1),
-                CubeDim::new_1d(1),
-                unsafe { ArrayArg::from_raw_parts(spin_buf.clone(), 1) },
-                iters,
-            )
-        };
-        let (mut diffs, mut enqueue, mut spins) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..REPS {
-            let start = Instant::now();
-            spin_now();
-            sync(client);
-            let alone = start.elapsed().as_secs_f64();
-            let start = Instant::now();
-            spin_now();
-            for i in 0..launches {
-                launch(i);
-            }
-            enqueue.push(start.elapsed().as_secs_f64());
-            sync(client);
-            let with = start.elapsed().as_secs_f64();
-            diffs.push((with - alone) / launches as f64);
-            spins.push(alone);
-        }
-        (median(diffs), median(enqueue), median(spins))
-    }
-
     /// cuBLAS bf16 GEMM seconds per launch, from events around `launches` launches queued
     /// behind a memset.
     fn time_cublas(
@@ -316,8 +234,7 @@ mod decode {
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone())?;
         let mut blocker = stream.alloc_zeros::<u8>(2 << 30)?;
-        let spin_buf = client.create_from_slice(f32::as_bytes(&[1.0f32]));
-        let iters = calibrate_spin(&client, &spin_buf, Duration::from_millis(3));
+        let timer = SpinTimer::new(&client, Duration::from_millis(3));
         let mut rng = Rng::new(2026_12_03);
         let mut rows = Vec::new();
         for (n, k) in SHAPES {
@@ -356,10 +273,8 @@ mod decode {
                     for i in 0..w.copies() {
                         w.launch(&client, &a_dev, m, &out, i);
                     }
-                    let (per_launch, enqueue, spin_s) =
-                        time_kiln(&client, &spin_buf, iters, launches, |i| {
-                            w.launch(&client, &a_dev, m, &out, i)
-                        });
+                    let timed = timer.time(launches, |i| w.launch(&client, &a_dev, m, &out, i));
+                    let (per_launch, enqueue, spin_s) = (timed.per_launch, timed.enqueue, timed.spin);
                     anyhow::ensure!(
                         enqueue < spin_s,
                         "enqueue ({enqueue:.6} s) outlasted the spin ({spin_s:.6} s)"
