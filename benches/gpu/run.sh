@@ -21,6 +21,7 @@ test_exe() { # package, test target -> path of the built test executable
 bench() {
   export LD_LIBRARY_PATH="${CUDA_HOME:-/usr/local/cuda}/lib64:${LD_LIBRARY_PATH:-}"
   .gpu/gemm_peer "$out/gemm_peer.json" 2>&1 | tee "$out/gemm_peer.log"
+  .gpu/mla_decode "$out/mla_decode.json" 2>&1 | tee "$out/mla_decode.log"
   .gpu/layer_decode --backend cuda --json "$out/layer_decode.json" 2>&1 | tee "$out/layer_decode.log"
 }
 case "${1:-}" in
@@ -31,7 +32,7 @@ case "${1:-}" in
     cp "$(test_exe kiln-conformance conformance)" .gpu/conformance
     cp "$(test_exe kiln hf_conformance)" .gpu/hf_conformance
     cp target/cuda/release/kiln target/cuda/release/layer_decode target/cuda/release/gemm_peer \
-      target/cuda/release/gemm_decode .gpu/
+      target/cuda/release/gemm_decode target/cuda/release/mla_decode .gpu/
     strip .gpu/*
     ls -la .gpu
     ;;

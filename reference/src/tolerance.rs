@@ -121,10 +121,16 @@ impl Tolerance {
 
 /// Allowed error of one attention output element (softmax(scale * q k^T) v).
 ///
-/// Derivation, with `V = value_magnitude` and `u = u_acc`:
+/// Derivation, with `V = value_magnitude`, `u = u_acc` and `u_op` the unit roundoff of the
+/// operands the kernel multiplies (f32 on CUDA cores, bf16 on tensor cores):
+/// 0. Operands: rounding the queries (and, where the cache stores scaled codes, the
+///    dequantised keys) to the operand type moves each product `q_d k_d` by at most
+///    `2 u_op |q_d k_d|`, so each score by `2 u_op * score_magnitude`, counted into `eps_s`
+///    below; rounding the softmax weights (and dequantised values) moves each weighted term
+///    by `2 u_op` relative, the output by at most `2 u_op V`.
 /// 1. Scores: each is a `head_dim`-term dot product times the softmax scale (and
 ///    possibly times log2(e) when a kernel uses exp2): `head_dim + 2` roundings, so
-///    `|ds_j| <= eps_s = gamma(head_dim + 2) * score_magnitude`.
+///    `|ds_j| <= eps_s = (gamma(head_dim + 2) + 2 u_op) * score_magnitude`.
 /// 2. Perturbing every score by at most `eps_s` multiplies each softmax weight
 ///    `w_j = e^{s_j} / sum_k e^{s_k}` by a factor in `[e^{-2 eps_s}, e^{2 eps_s}]`
 ///    (numerator and denominator move at most `e^{eps_s}` each way), so the output
@@ -134,26 +140,28 @@ impl Tolerance {
 ///    so the clamped argument gives at most ~63 ulp: `64 u` relative per weight, in
 ///    numerator and denominator alike, covers it together with the division.
 ///    Flash-style online softmax rescales the accumulator by `exp(m_old - m_new)`
-///    once per KV block; with blocks of >= 64 rows that is at most `kv_len / 64`
-///    rescalings of <= 64 u each, i.e. <= `kv_len * u`, inside the next term.
+///    once per KV block; with blocks of >= 32 rows that is at most `kv_len / 32`
+///    rescalings of <= 64 u each, i.e. <= `2 kv_len * u`, inside the next term.
 /// 4. Sums: the numerator `sum_j e_j v_j` and the denominator `sum_j e_j` are each
 ///    sums of `kv_len` terms (any order, split-KV combine included): `gamma(kv_len)`
-///    each, relative to `sum_j w_j |v_j| <= V`; plus the final division: `gamma(2
+///    each, relative to `sum_j w_j |v_j| <= V`; plus the final division: `gamma(4
 ///    kv_len + 2) * V` covers both sums, the division and the rescalings of step 3.
 /// 5. Output rounding: `u_out * V` (|out| <= V since the weights sum to 1).
 ///
-/// Result: `(e^{2 eps_s} - 1 + 64 u + gamma(2 kv_len + 2)) * V + u_out * V`.
+/// Result: `(e^{2 eps_s} - 1 + 64 u + 2 u_op + gamma(4 kv_len + 2)) * V + u_out * V`.
 pub fn attention_allowed(
     head_dim: usize,
     kv_len: usize,
     score_magnitude: f64,
     value_magnitude: f64,
+    operands: DType,
     acc: DType,
     out: DType,
 ) -> f64 {
-    let eps_s = gamma(head_dim + 2, acc) * score_magnitude;
+    let u_op = operands.unit_roundoff();
+    let eps_s = (gamma(head_dim + 2, acc) + 2.0 * u_op) * score_magnitude;
     let u = acc.unit_roundoff();
-    let relative = (2.0 * eps_s).exp_m1() + 64.0 * u + gamma(2 * kv_len + 2, acc);
+    let relative = (2.0 * eps_s).exp_m1() + 64.0 * u + 2.0 * u_op + gamma(4 * kv_len + 2, acc);
     (relative + out.unit_roundoff()) * value_magnitude
 }
 

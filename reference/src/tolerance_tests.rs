@@ -59,14 +59,30 @@ fn serial_and_tree_sums_stay_within_the_dot_bound() {
 
 /// f32 attention for one query over `rows`, flash-style: blocks of 64 with an online
 /// max and accumulator rescaling.
-fn flash_attention_f32(q: &[f32], rows: &[&[f32]], scale: f32) -> Vec<f32> {
+/// Flash attention in f32 over blocks of `block` rows, with the queries, the softmax weights
+/// and the values passed through `operand` before they are multiplied (the tensor-core
+/// path rounds them to bf16).
+fn flash_attention_f32(
+    q: &[f32],
+    rows: &[&[f32]],
+    scale: f32,
+    block: usize,
+    operand: fn(f32) -> f32,
+) -> Vec<f32> {
+    let q: Vec<f32> = q.iter().map(|&x| operand(x)).collect();
     let mut m = f32::NEG_INFINITY;
     let mut denom = 0.0f32;
     let mut acc = vec![0.0f32; KV_LORA_RANK];
-    for block in rows.chunks(64) {
+    for block in rows.chunks(block) {
         let s: Vec<f32> = block
             .iter()
-            .map(|r| q.iter().zip(r.iter()).map(|(a, b)| a * b).sum::<f32>() * scale)
+            .map(|r| {
+                q.iter()
+                    .zip(r.iter())
+                    .map(|(a, &b)| a * operand(b))
+                    .sum::<f32>()
+                    * scale
+            })
             .collect();
         let m_new = s.iter().fold(m, |x, &y| x.max(y));
         let alpha = (m - m_new).exp();
@@ -75,17 +91,20 @@ fn flash_attention_f32(q: &[f32], rows: &[&[f32]], scale: f32) -> Vec<f32> {
         for (r, &sj) in block.iter().zip(&s) {
             let e = (sj - m_new).exp();
             denom += e;
+            let w = operand(e);
             acc.iter_mut()
                 .zip(&r[..KV_LORA_RANK])
-                .for_each(|(x, &v)| *x += e * v);
+                .for_each(|(x, &v)| *x += w * operand(v));
         }
         m = m_new;
     }
     acc.iter().map(|x| x / denom).collect()
 }
 
-#[test]
-fn flash_attention_in_f32_stays_within_the_attention_bound() {
+/// Emulates a flash-attention kernel (online softmax over `block`-row blocks, operands
+/// through `operand`) on two query tokens and checks it against the oracle under
+/// `attention_allowed` with `operands`.
+fn flash_attention_within_bound(block: usize, operand: fn(f32) -> f32, operands: DType) {
     let mut rng = Rng::new(23);
     let (page_size, num_pages, kv_len) = (16, 20, 300);
     let rows = normal_with_outliers(&mut rng, page_size * num_pages * KV_DIM, 1.0);
@@ -114,12 +133,15 @@ fn flash_attention_in_f32_stays_within_the_attention_bound() {
             &q[t * KV_DIM..(t + 1) * KV_DIM],
             &rows,
             scale,
+            block,
+            operand,
         ));
         let bound = attention_allowed(
             KV_DIM,
             visible,
             oracle.score_magnitude[t],
             oracle.value_magnitude[t],
+            operands,
             DType::F32,
             DType::F32,
         );
@@ -127,6 +149,16 @@ fn flash_attention_in_f32_stays_within_the_attention_bound() {
     }
     let c = compare(&actual, &oracle.out, &allowed);
     assert!(c.passed(), "{c}");
+}
+
+#[test]
+fn flash_attention_in_f32_stays_within_the_attention_bound() {
+    flash_attention_within_bound(64, |x| x, DType::F32);
+}
+
+#[test]
+fn flash_attention_on_bf16_operands_stays_within_the_attention_bound() {
+    flash_attention_within_bound(32, bf16_round, DType::BF16);
 }
 
 #[test]

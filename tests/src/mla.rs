@@ -131,6 +131,7 @@ pub fn run_mla<R: Runtime>(
         batch: case.q_lens.len(),
         num_tokens: tokens,
         max_q_len: case.q_lens.iter().copied().max().unwrap_or(0),
+        max_kv_len: case.kv_lens.iter().copied().max().unwrap_or(0),
         cu_q_lens: DeviceArray::upload(client, &cu),
         kv_lens: DeviceArray::upload(client, &kv_lens),
         block_table: DeviceArray::upload(client, &table),
@@ -154,6 +155,9 @@ pub fn run_mla<R: Runtime>(
     let actual = out.read(client);
 
     let reference = mla_attention(&q, case.heads, &seen, &batch, scale);
+    // The tensor-core kernel multiplies bf16 operands (see `kiln_kernels::mla`).
+    let tensor_cores = mla::uses_tensor_cores(client, case.format);
+    let operands = if tensor_cores { DType::BF16 } else { DType::F32 };
     let mut allowed = Vec::with_capacity(reference.out.len());
     let mut t = 0;
     for (&q_len, &kv_len) in case.q_lens.iter().zip(&case.kv_lens) {
@@ -163,6 +167,7 @@ pub fn run_mla<R: Runtime>(
                 kv_len,
                 reference.score_magnitude[t],
                 reference.value_magnitude[t],
+                operands,
                 DType::F32,
                 DType::F32,
             );
@@ -171,9 +176,11 @@ pub fn run_mla<R: Runtime>(
         }
     }
     let cmp = compare(&actual, &reference.out, &allowed);
-    let kernel = match case.mode {
-        AttnMode::Decode => "mla_decode",
-        AttnMode::Prefill => "mla_prefill",
+    let kernel = match (case.mode, tensor_cores) {
+        (AttnMode::Decode, false) => "mla_decode",
+        (AttnMode::Prefill, false) => "mla_prefill",
+        (AttnMode::Decode, true) => "mla_decode (tensor cores)",
+        (AttnMode::Prefill, true) => "mla_prefill (tensor cores)",
     };
     let dtype = match case.format {
         KvFormat::F32 => "f32 kv",
@@ -181,7 +188,7 @@ pub fn run_mla<R: Runtime>(
         KvFormat::Fp8 => "fp8 kv",
     };
     let mut report =
-        CaseReport::from_comparison(kernel, case.shape(), dtype, "attention(f32)".into(), &cmp);
+        CaseReport::from_comparison(kernel, case.shape(), dtype, format!("attention({operands:?} operands)"), &cmp);
     report.time_us = time_launch(client, timing, || launch().expect("validated above"));
     Ok(report)
 }

@@ -8,17 +8,21 @@
 //! `kv_len - q_len + i` and sees positions `0..=` that one (causal). Position `p` lives in
 //! page `block_table[b][p / page_size]`, slot `p % page_size`.
 //!
-//! One kernel, two tilings: [`mla_decode`] gives each query token its own cube (one or a few
-//! query tokens per request: decode, draft verification), [`mla_prefill`] gives a cube a tile
+//! Two kernels. Where the device has bf16 `mma.sync` (CUDA) and the KV cache is bf16 or fp8,
+//! both entry points run the tensor-core split-KV kernel (`mma.rs`: 16 query rows per cube,
+//! each KV row read once for them, long contexts spread over the SMs, a combine pass).
+//! Elsewhere (wgpu, f32 KV) the portable kernel (`kernel.rs`) runs with two tilings:
+//! [`mla_decode`] gives each query token its own cube, [`mla_prefill`] gives a cube a tile
 //! of [`PREFILL_TILE`] consecutive query tokens of one request so each KV row read serves the
-//! whole tile (prefill/extend over a cached prefix). Both use an online softmax over chunks
-//! of [`CHUNK`] positions. The KV storage format (f32, bf16, or FlashMLA's fp8 layout) is a
-//! compile-time parameter. Math oracle: `kiln_reference::mla::mla_attention`.
+//! whole tile; both use an online softmax over chunks of [`CHUNK`] positions.
+//! [`uses_tensor_cores`] says which one runs. The KV storage format (f32, bf16, or FlashMLA's
+//! fp8 layout) is a compile-time parameter. Math oracle: `kiln_reference::mla::mla_attention`.
 //! [`write_kv`] appends new tokens' rows to the cache in either format; [`absorb_query`]
 //! and [`project_values`] are the per-head products around the attention.
 mod absorb;
 mod cache_write;
 mod kernel;
+mod mma;
 
 use cubecl::prelude::*;
 
@@ -79,6 +83,8 @@ pub struct AttnMetadata {
     pub num_tokens: usize,
     /// Largest `q_len` of the batch (sizes the grid).
     pub max_q_len: usize,
+    /// Largest `kv_len` of the batch (sizes the split count of the tensor-core kernel).
+    pub max_kv_len: usize,
     /// `batch + 1` prefix sums of the requests' query lengths.
     pub cu_q_lens: DeviceArray<u32>,
     /// `batch` KV lengths, each counting the request's own query tokens.
@@ -107,7 +113,11 @@ pub fn mla_decode<R: Runtime>(
         });
     }
     validate(client, q, heads, kv, meta, out)?;
-    launch_unchecked(client, q, heads, kv, meta, softmax_scale, out, 1);
+    if uses_tensor_cores(client, kv.format) {
+        launch_mma(client, q, heads, kv, meta, softmax_scale, out);
+    } else {
+        launch_unchecked(client, q, heads, kv, meta, softmax_scale, out, 1);
+    }
     Ok(())
 }
 
@@ -122,8 +132,103 @@ pub fn mla_prefill<R: Runtime>(
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
     validate(client, q, heads, kv, meta, out)?;
-    launch_unchecked(client, q, heads, kv, meta, softmax_scale, out, PREFILL_TILE);
+    if uses_tensor_cores(client, kv.format) {
+        launch_mma(client, q, heads, kv, meta, softmax_scale, out);
+    } else {
+        launch_unchecked(client, q, heads, kv, meta, softmax_scale, out, PREFILL_TILE);
+    }
     Ok(())
+}
+
+/// True when [`mla_decode`] and [`mla_prefill`] run the tensor-core kernel for this KV
+/// format: bf16 or fp8 KV on a device with bf16 `mma.sync m16n8k16`, `ldmatrix` and plane
+/// shuffles. Its operands are rounded to bf16 (see `mma.rs`).
+pub fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, format: KvFormat) -> bool {
+    use cubecl::ir::{ElemType, FloatKind, StorageType};
+    let features = &client.properties().features;
+    let bf16 = StorageType::Scalar(ElemType::Float(FloatKind::BF16));
+    let f32 = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+    format != KvFormat::F32
+        && features.plane.contains(cubecl::ir::features::Plane::Ops)
+        && features.matmul.ldmatrix.contains(&bf16)
+        && features.matmul.mma.iter().any(|c| {
+            (c.m, c.n, c.k) == (16, 8, 16) && c.a_type == bf16 && c.b_type == bf16 && c.cd_type == f32
+        })
+}
+
+/// Split count of the tensor-core kernel: enough cubes for two per SM, no split shorter
+/// than 4 chunks of the longest context.
+fn mma_splits<R: Runtime>(client: &ComputeClient<R>, cubes: usize, max_kv_len: usize) -> usize {
+    let sms = client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .unwrap_or(1) as usize;
+    let chunks = max_kv_len.div_ceil(mma::CHUNK as usize).max(1);
+    (2 * sms).div_ceil(cubes).min(chunks.div_ceil(4)).clamp(1, 1024)
+}
+
+/// Launches the tensor-core kernel (and the combine when it splits the KV).
+fn launch_mma<R: Runtime>(
+    client: &ComputeClient<R>,
+    q: &DeviceArray<f32>,
+    heads: usize,
+    kv: &PagedKvCache,
+    meta: &AttnMetadata,
+    softmax_scale: f32,
+    out: &DeviceArray<f32>,
+) {
+    let groups = (meta.max_q_len * heads).div_ceil(mma::ROWS as usize);
+    let splits = mma_splits(client, groups * meta.batch, meta.max_kv_len);
+    let total_rows = meta.num_tokens * heads;
+    let (part_out, part_ml) = if splits > 1 {
+        (
+            DeviceArray::<f32>::uninit(client, splits * total_rows * V_DIM),
+            DeviceArray::<f32>::uninit(client, splits * total_rows * 2),
+        )
+    } else {
+        (DeviceArray::uninit(client, 1), DeviceArray::uninit(client, 1))
+    };
+    let config = mma::MmaAttnConfig {
+        format: kv.format,
+        direct: splits == 1,
+    };
+    // SAFETY: validated shapes; the partial buffers hold `splits` copies of every row.
+    unsafe {
+        mma::mma_attention_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(groups as u32, splits as u32, meta.batch as u32),
+            CubeDim::new_1d(mma::UNITS),
+            q.arg(),
+            kv.data.arg(),
+            kv.data.arg(),
+            meta.block_table.arg(),
+            meta.cu_q_lens.arg(),
+            meta.kv_lens.arg(),
+            out.arg(),
+            part_out.arg(),
+            part_ml.arg(),
+            heads as u32,
+            meta.max_blocks as u32,
+            kv.page_size as u32,
+            total_rows as u32,
+            softmax_scale,
+            config,
+        );
+        if splits > 1 {
+            let x = (total_rows as u32).min(client.properties().hardware.max_cube_count.0);
+            mma::combine_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(x, (total_rows as u32).div_ceil(x), 1),
+                CubeDim::new_1d(mma::COMBINE_UNITS),
+                part_out.arg(),
+                part_ml.arg(),
+                out.arg(),
+                total_rows as u32,
+                splits as u32,
+            );
+        }
+    }
 }
 
 fn validate<R: Runtime>(

@@ -100,6 +100,7 @@ fn bad_metadata_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
         batch: 1,
         num_tokens: max_q_len,
         max_q_len,
+        max_kv_len: max_q_len,
         cu_q_lens: DeviceArray::upload(client, &[0u32, max_q_len as u32]),
         kv_lens: DeviceArray::upload(client, &[max_q_len as u32]),
         block_table: DeviceArray::upload(client, &[0u32, 1]),

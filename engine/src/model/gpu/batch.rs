@@ -166,6 +166,7 @@ impl Batch {
                 .map(|r| r.tokens.len())
                 .max()
                 .unwrap_or(1),
+            max_kv_len: self.requests.iter().map(|r| r.kv_len).max().unwrap_or(1),
             cu_q_lens: DeviceArray::upload(client, &cu),
             kv_lens: DeviceArray::upload(client, &kv_lens),
             block_table: DeviceArray::upload(client, &table),

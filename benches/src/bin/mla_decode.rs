@@ -1,0 +1,309 @@
+//! MLA decode attention (absorbed form, paged KV, page 64) on CUDA: effective KV bandwidth
+//! for 16 and 64 heads, batch 1-64, contexts 8k-128k (batch 64 up to 48k: the kernels index
+//! a cache of at most 4 GiB), bf16 and fp8 KV, plus draft
+//! verification (several query tokens per request) in TFLOP/s.
+//!
+//! Every point is validated before it is timed: for the last request of the batch, the
+//! first and last heads of every query token are recomputed by the reference
+//! (`kiln_reference::mla::mla_attention`) from KV rows regenerated on the host (the device
+//! fills the cache with `fill_random_bits`, whose hash is mirrored here), under
+//! `attention_allowed` with the kernel's operand type. Timing: `kiln_benches::device_time`
+//! (launches queued behind a spin kernel). The cache is replicated so that consecutive
+//! launches read different copies (>= 256 MB in all): L2 never holds the next launch's KV.
+//! Effective bandwidth = KV bytes of the visible rows (1152 per token for bf16, 656 for
+//! fp8) / time, against the 4.30 TB/s copy ceiling; FLOPs = 2 * heads * q * (576 + 512) per
+//! visible KV row. Prints a table, writes JSON to the first argument.
+
+#[cfg(feature = "cuda")]
+fn main() -> anyhow::Result<()> {
+    decode::run()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!("mla_decode times the CUDA tensor-core kernel: build with --features cuda");
+    std::process::exit(2);
+}
+
+#[cfg(feature = "cuda")]
+mod decode {
+    use std::time::Duration;
+
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+    use cubecl::prelude::*;
+    use kiln_benches::device_time::{Client, SpinTimer};
+    use kiln_benches::HBM_BYTES_PER_S;
+    use kiln_kernels::fill::fill_random_bits;
+    use kiln_kernels::mla::{self, AttnMetadata, KvFormat, PagedKvCache};
+    use kiln_kernels::DeviceArray;
+    use kiln_reference::data::{normal_with_outliers, Rng};
+    use kiln_reference::formats::bf16_decode;
+    use kiln_reference::mla::{fp8_row_decode, mla_attention, AttnBatch, PagedKv, KV_DIM};
+    use kiln_reference::tolerance::{attention_allowed, compare, DType};
+
+    const PAGE: usize = 64;
+    const SEED: u32 = 0x6d6c_6100;
+    /// Bits that keep every word a valid bf16 pair (exponents 120..127, any sign) and, for
+    /// fp8 rows, valid E4M3 codes, positive f32 scales in [2^-7, 2) and bf16 rope values.
+    const BF16_MASKS: (u32, u32) = (0xBFFF_BFFF, 0x3C00_3C00);
+    const FP8_MASKS: (u32, u32) = (0x3FBF_3FBF, 0x3C00_3C00);
+
+    #[derive(serde::Serialize)]
+    struct Point {
+        kv: &'static str,
+        heads: usize,
+        batch: usize,
+        q_len: usize,
+        context: usize,
+        us: f64,
+        tbps: f64,
+        frac_of_copy: f64,
+        tflops: f64,
+        tokens_per_s: f64,
+        max_err_over_allowed: f64,
+    }
+
+    /// The device fill's hash (kiln_kernels::fill), on the host.
+    fn word(i: u32, (and_mask, or_mask): (u32, u32)) -> u32 {
+        let x = i.wrapping_mul(2654435769).wrapping_add(SEED);
+        let state = x.wrapping_mul(747796405).wrapping_add(2891336453);
+        let w = ((state >> ((state >> 28) + 4)) ^ state).wrapping_mul(277803737);
+        (((w >> 22) ^ w) & and_mask) | or_mask
+    }
+
+    /// KV row `row` of the device cache, decoded as the kernel sees it.
+    fn host_row(format: KvFormat, row: usize) -> Vec<f32> {
+        let words = format.words_per_row();
+        let ws: Vec<u32> = (0..words)
+            .map(|j| {
+                let masks = if format == KvFormat::Fp8 { FP8_MASKS } else { BF16_MASKS };
+                word((row * words + j) as u32, masks)
+            })
+            .collect();
+        match format {
+            KvFormat::Fp8 => {
+                let bytes: Vec<u8> = ws.iter().flat_map(|w| w.to_le_bytes()).collect();
+                fp8_row_decode(&bytes).to_vec()
+            }
+            _ => ws
+                .iter()
+                .flat_map(|&w| [bf16_decode(w as u16), bf16_decode((w >> 16) as u16)])
+                .collect(),
+        }
+    }
+
+    struct Setup {
+        cache: PagedKvCache,
+        metas: Vec<AttnMetadata>,
+        tables: Vec<Vec<u32>>,
+    }
+
+    fn setup(client: &Client, format: KvFormat, batch: usize, q_len: usize, ctx: usize) -> Setup {
+        let pages_per_req = ctx.div_ceil(PAGE);
+        let bytes_per_copy = batch * ctx * format.words_per_row() * 4;
+        let copies = 256_000_000usize.div_ceil(bytes_per_copy).clamp(1, 32);
+        let num_pages = copies * batch * pages_per_req;
+        let data = DeviceArray::<u32>::uninit(client, num_pages * PAGE * format.words_per_row());
+        let (and_mask, or_mask) = if format == KvFormat::Fp8 { FP8_MASKS } else { BF16_MASKS };
+        fill_random_bits(client, &data, SEED, and_mask, or_mask).expect("cache fits u32 indexing");
+        let mut metas = Vec::new();
+        let mut tables = Vec::new();
+        for copy in 0..copies {
+            // Request b of copy c owns pages interleaved across the pool.
+            let table: Vec<u32> = (0..batch * pages_per_req)
+                .map(|i| {
+                    let (b, p) = (i / pages_per_req, i % pages_per_req);
+                    ((p * batch + b) * copies + copy) as u32
+                })
+                .collect();
+            let cu: Vec<u32> = (0..=batch as u32).map(|b| b * q_len as u32).collect();
+            metas.push(AttnMetadata {
+                batch,
+                num_tokens: batch * q_len,
+                max_q_len: q_len,
+                max_kv_len: ctx,
+                cu_q_lens: DeviceArray::upload(client, &cu),
+                kv_lens: DeviceArray::upload(client, &vec![ctx as u32; batch]),
+                block_table: DeviceArray::upload(client, &table),
+                max_blocks: pages_per_req,
+            });
+            tables.push(table);
+        }
+        Setup {
+            cache: PagedKvCache {
+                data,
+                format,
+                page_size: PAGE,
+                num_pages,
+            },
+            metas,
+            tables,
+        }
+    }
+
+    /// max |err| / allowed over the first and last heads of the last request's tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn validate(
+        format: KvFormat,
+        setup: &Setup,
+        q: &[f32],
+        out: &[f32],
+        heads: usize,
+        batch: usize,
+        q_len: usize,
+        ctx: usize,
+        scale: f32,
+    ) -> anyhow::Result<f64> {
+        let pages_per_req = ctx.div_ceil(PAGE);
+        let b = batch - 1;
+        let table = &setup.tables[0][b * pages_per_req..(b + 1) * pages_per_req];
+        let rows: Vec<f32> = table
+            .iter()
+            .flat_map(|&page| (0..PAGE).flat_map(move |s| host_row(format, page as usize * PAGE + s)))
+            .collect();
+        let kv = PagedKv {
+            page_size: PAGE,
+            num_pages: pages_per_req,
+            rows,
+        };
+        let attn = AttnBatch {
+            q_lens: vec![q_len],
+            kv_lens: vec![ctx],
+            block_tables: vec![(0..pages_per_req as u32).collect()],
+        };
+        let picked = [0, heads - 1];
+        let mut q_sub = Vec::new();
+        let mut actual = Vec::new();
+        for i in 0..q_len {
+            for &h in &picked {
+                let row = (b * q_len + i) * heads + h;
+                q_sub.extend_from_slice(&q[row * KV_DIM..(row + 1) * KV_DIM]);
+                actual.extend_from_slice(&out[row * 512..(row + 1) * 512]);
+            }
+        }
+        let reference = mla_attention(&q_sub, picked.len(), &kv, &attn, scale);
+        let mut allowed = Vec::new();
+        for (s, v) in reference.score_magnitude.iter().zip(&reference.value_magnitude) {
+            let bound = attention_allowed(KV_DIM, ctx, *s, *v, DType::BF16, DType::F32, DType::F32);
+            allowed.extend(std::iter::repeat_n(bound, 512));
+        }
+        let cmp = compare(&actual, &reference.out, &allowed);
+        anyhow::ensure!(cmp.passed(), "{format:?} H={heads} B={batch} q={q_len} ctx={ctx}: {cmp}");
+        Ok(actual
+            .iter()
+            .zip(&reference.out)
+            .zip(&allowed)
+            .map(|((&a, &e), &t)| (a as f64 - e).abs() / t)
+            .fold(0.0, f64::max))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn point(
+        client: &Client,
+        timer: &SpinTimer,
+        rng: &mut Rng,
+        format: KvFormat,
+        heads: usize,
+        batch: usize,
+        q_len: usize,
+        ctx: usize,
+    ) -> anyhow::Result<Point> {
+        let setup = setup(client, format, batch, q_len, ctx);
+        let q = normal_with_outliers(rng, batch * q_len * heads * KV_DIM, 1.0);
+        let q_dev = DeviceArray::upload(client, &q);
+        let out = DeviceArray::filled(client, batch * q_len * heads * 512, f32::NAN);
+        let scale = 0.1f32;
+        let launch = |i: usize| {
+            let meta = &setup.metas[i % setup.metas.len()];
+            mla::mla_decode(client, &q_dev, heads, &setup.cache, meta, scale, &out)
+                .expect("validated shapes")
+        };
+        launch(0);
+        let worst = validate(format, &setup, &q, &out.read(client), heads, batch, q_len, ctx, scale)?;
+        let row_bytes = format.words_per_row() * 4;
+        let bytes = (batch * ctx * row_bytes) as f64;
+        let launches = ((1.5e-3 / (bytes / 3.0e12)).ceil() as usize).clamp(2, 100);
+        for i in 0..setup.metas.len() {
+            launch(i);
+        }
+        let timed = timer.time(launches, launch);
+        anyhow::ensure!(
+            timed.enqueue < timed.spin,
+            "enqueue ({:.6} s) outlasted the spin ({:.6} s)",
+            timed.enqueue,
+            timed.spin
+        );
+        let s = timed.per_launch;
+        let flops = 2.0 * (heads * q_len * batch * ctx * (576 + 512)) as f64;
+        Ok(Point {
+            kv: if format == KvFormat::Fp8 { "fp8" } else { "bf16" },
+            heads,
+            batch,
+            q_len,
+            context: ctx,
+            us: s * 1e6,
+            tbps: bytes / s / 1e12,
+            frac_of_copy: bytes / s / HBM_BYTES_PER_S,
+            tflops: flops / s / 1e12,
+            tokens_per_s: batch as f64 / s,
+            max_err_over_allowed: worst,
+        })
+    }
+
+    pub fn run() -> anyhow::Result<()> {
+        let client = CudaRuntime::client(&CudaDevice::default());
+        anyhow::ensure!(
+            mla::uses_tensor_cores(&client, KvFormat::Bf16),
+            "this device lacks bf16 mma.sync: the tensor-core kernel would not run"
+        );
+        let timer = SpinTimer::new(&client, Duration::from_millis(4));
+        let mut rng = Rng::new(2026_12_03);
+        let mut points = Vec::new();
+        let decode = [(1, 8192), (1, 32768), (1, 100_000), (1, 131_072), (8, 32768), (8, 100_000), (32, 32768), (32, 100_000), (64, 32768), (64, 49152)];
+        for format in [KvFormat::Bf16, KvFormat::Fp8] {
+            for heads in [16, 64] {
+                for &(batch, ctx) in &decode {
+                    let p = point(&client, &timer, &mut rng, format, heads, batch, 1, ctx)?;
+                    eprintln!("done {} H={heads} B={batch} ctx={ctx}: {:.1} us", p.kv, p.us);
+                    points.push(p);
+                }
+            }
+        }
+        // Draft verification: several query tokens per request.
+        for heads in [16, 64] {
+            for q_len in [8, 16, 32, 64] {
+                let p = point(&client, &timer, &mut rng, KvFormat::Bf16, heads, 8, q_len, 32768)?;
+                eprintln!("done verify H={heads} q={q_len}: {:.1} us", p.us);
+                points.push(p);
+            }
+        }
+        print_table(&points);
+        if let Some(path) = std::env::args().nth(1) {
+            std::fs::write(path, serde_json::to_string_pretty(&points)?)?;
+        }
+        Ok(())
+    }
+
+    fn print_table(points: &[Point]) {
+        println!(
+            "{:<5} {:>3} {:>3} {:>3} {:>7} {:>9} {:>6} {:>6} {:>7} {:>10} {:>8}",
+            "kv", "H", "B", "q", "ctx", "us", "TB/s", "%copy", "TFLOP/s", "tok/s", "err/tol"
+        );
+        for p in points {
+            println!(
+                "{:<5} {:>3} {:>3} {:>3} {:>7} {:>9.1} {:>6.2} {:>6.1} {:>7.1} {:>10.0} {:>8.3}",
+                p.kv,
+                p.heads,
+                p.batch,
+                p.q_len,
+                p.context,
+                p.us,
+                p.tbps,
+                p.frac_of_copy * 100.0,
+                p.tflops,
+                p.tokens_per_s,
+                p.max_err_over_allowed
+            );
+        }
+    }
+}

@@ -1,0 +1,423 @@
+//! MLA attention on the tensor cores (CUDA `mma.sync m16n8k16`, bf16 operands, f32
+//! accumulators), in the split-KV ("flash decoding") form.
+//!
+//! A request's query rows are its `(token, head)` pairs in order, `row = i * heads + h`; a
+//! cube owns [`ROWS`] consecutive rows of one request and one contiguous range of its KV
+//! chunks (a split), so the KV rows it reads serve all its rows at once (16 heads per read
+//! instead of one) and a long context spreads over many cubes. Cubes of the same split and
+//! request run side by side (the row group is the grid's fastest axis), so a KV chunk read
+//! by the 4 row groups of 64 heads comes from L2 after the first.
+//!
+//! Per chunk of [`CHUNK`] KV positions (4 warps, 128 units):
+//! 1. the cube copies the chunk into shared memory as bf16 (fp8 rows are decoded here);
+//! 2. each warp computes the 16 x 32 scores over its quarter of the 576 dimensions, its
+//!    query fragments held in registers for the whole kernel, and stores them;
+//! 3. 8 units per row sum the quarters, mask causally, and run the online softmax
+//!    (running max and sum per row, `plane_shuffle_xor` within the 8 units), writing the
+//!    weights as bf16 and each row's rescale factor;
+//! 4. each warp rescales its accumulators and adds weights x values for its 128 of the 512
+//!    output dimensions (values read with `ldmatrix.trans`).
+//!
+//! With one split the cube writes the normalised output; with several it writes its
+//! unnormalised sums and its rows' (max, sum), and [`combine_kernel`] merges the splits.
+//!
+//! Rounding: queries, softmax weights and (fp8) dequantised values are rounded to bf16 for
+//! the tensor cores; bf16 KV values are exact. `tolerance::attention_allowed` takes the
+//! operand type and bounds what that adds.
+use cubecl::prelude::*;
+use half::bf16;
+
+use super::KvFormat;
+use crate::formats::{bf16_to_f32, byte_at, e4m3_to_f32, half_at};
+
+/// Query rows per cube (the MMA's M).
+pub const ROWS: u32 = 16;
+/// KV positions per step.
+pub const CHUNK: u32 = 32;
+/// Units per cube: 4 warps.
+pub const UNITS: u32 = 128;
+/// 16-byte vectors of bf16 per KV row (576 values).
+const ROW_VECS: usize = 72;
+/// 16-byte vectors each unit copies per chunk: 32 rows x 72 / 128 units.
+const LOADS_PER_UNIT: usize = 18;
+/// Shared-memory stride of a KV row in 16-byte vectors: odd, so the 8 rows an `ldmatrix`
+/// reads fall in distinct bank groups.
+const KV_STRIDE: usize = 73;
+/// Shared-memory stride of a weight row, in bf16 (80 bytes: 5 vectors, odd).
+const P_STRIDE: usize = 40;
+/// Shared-memory stride of a score row, in f32.
+const S_STRIDE: usize = 33;
+/// Score k-steps (16 dimensions each) per warp: 576 / 16 / 4.
+const K_STEPS: usize = 9;
+/// Output n-tiles (8 dimensions each) per warp: 512 / 8 / 4.
+const N_TILES: usize = 16;
+/// Stands for minus infinity.
+const NEG_BIG: f32 = -3.0e38;
+
+/// Compile-time shape of the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MmaAttnConfig {
+    pub format: KvFormat,
+    /// One split: write the normalised output instead of partial sums.
+    pub direct: bool,
+}
+
+type Frag = Vector<bf16, Const<2>>;
+type Acc = Vector<f32, Const<2>>;
+
+/// Grid: (row groups of the longest request, splits, batch); [`UNITS`] units.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn mma_attention_kernel(
+    q: &Array<f32>,
+    kv_vecs: &Array<Vector<bf16, Const<8>>>,
+    kv_words: &Array<u32>,
+    block_table: &Array<u32>,
+    cu_q_lens: &Array<u32>,
+    kv_lens: &Array<u32>,
+    out: &mut Array<f32>,
+    part_out: &mut Array<f32>,
+    part_ml: &mut Array<f32>,
+    heads: u32,
+    max_blocks: u32,
+    page_size: u32,
+    total_rows: u32,
+    softmax_scale: f32,
+    #[comptime] cfg: MmaAttnConfig,
+) {
+    let unit = UNIT_POS_X as usize;
+    let warp = unit / 32;
+    let lane = unit % 32;
+    let g = lane / 4;
+    let t = lane % 4;
+    let b = CUBE_POS_Z as usize;
+    let split = CUBE_POS_Y as usize;
+    let splits = CUBE_COUNT_Y as usize;
+    let heads = heads as usize;
+    let q_start = cu_q_lens[b] as usize;
+    let q_len = cu_q_lens[b + 1] as usize - q_start;
+    let kv_len = kv_lens[b] as usize;
+    let n_rows = q_len * heads;
+    let row0 = CUBE_POS_X as usize * 16;
+
+    if row0 < n_rows {
+        let rows_here = min(16usize, n_rows - row0);
+        let first_row = q_start * heads + row0;
+        let last_pos = kv_len - q_len + (row0 + rows_here - 1) / heads;
+        let chunks = last_pos / 32 + 1;
+        let c_begin = chunks * split / splits;
+        let c_end = chunks * (split + 1) / splits;
+        let table = b * max_blocks as usize;
+
+        let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+        let mut kvs = SharedMemory::<Vector<bf16, Const<8>>>::new(32 * KV_STRIDE);
+        let mut ss = SharedMemory::<f32>::new(4 * 16 * S_STRIDE);
+        let mut ps = SharedMemory::<bf16>::new(16 * P_STRIDE);
+        let mut alpha_s = SharedMemory::<f32>::new(16usize);
+
+        // This warp's query fragments (A, 16 rows x 16 dims per k-step), from global memory.
+        let mut qa = Array::<Frag>::new(comptime!(K_STEPS * 4));
+        #[unroll]
+        for j in 0usize..K_STEPS {
+            let k0 = (warp * K_STEPS + j) * 16;
+            #[unroll]
+            for r in 0..4usize {
+                let row = g + (r % 2) * 8;
+                let col = k0 + 2 * t + (r / 2) * 8;
+                let mut v = Frag::empty();
+                v[0] = bf16::cast_from(0.0f32);
+                v[1] = bf16::cast_from(0.0f32);
+                if row < rows_here {
+                    let base = (first_row + row) * 576 + col;
+                    v[0] = bf16::cast_from(q[base]);
+                    v[1] = bf16::cast_from(q[base + 1]);
+                }
+                qa[j * 4 + r] = v;
+            }
+        }
+
+        let mut acc = Array::<Acc>::new(comptime!(N_TILES * 2));
+        #[unroll]
+        for i in 0usize..N_TILES * 2 {
+            acc[i] = Acc::new(0.0);
+        }
+        // The softmax state of row `unit / 8` (its 8 units agree on it).
+        let srow = unit / 8;
+        let part = unit % 8;
+        let row_valid = srow < rows_here;
+        let row_pos = kv_len - q_len + (row0 + srow) / heads;
+        let mut m_run = f32::new(NEG_BIG);
+        let mut l_run = 0.0f32;
+
+        for c in c_begin..c_end {
+            // 1. The chunk's KV rows into shared memory as bf16 (zeros past the last one).
+            // Unrolled with no branch around the loads, so all of a unit's loads are in
+            // flight at once; positions past the last are read from the last row and zeroed.
+            #[unroll]
+            for j in 0..LOADS_PER_UNIT {
+                let idx = unit + j * UNITS as usize;
+                let r = idx / ROW_VECS;
+                let v = idx % ROW_VECS;
+                let pos = c * 32 + r;
+                let at = min(pos, last_pos);
+                let page = block_table[table + at / page_size as usize] as usize;
+                let kv_row = page * page_size as usize + at % page_size as usize;
+                let value = load_vec(kv_vecs, kv_words, kv_row, v, cfg.format);
+                kvs[r * KV_STRIDE + v] = select(
+                    pos <= last_pos,
+                    value,
+                    Vector::<bf16, Const<8>>::new(bf16::cast_from(0.0f32)),
+                );
+            }
+            sync_cube();
+
+            // 2. Scores over this warp's quarter of the dimensions: 4 n-tiles of 8 positions.
+            #[unroll]
+            for nt in 0..4usize {
+                let mut s = Array::<Acc>::new(2usize);
+                s[0] = Acc::new(0.0);
+                s[1] = Acc::new(0.0);
+                #[unroll]
+                for j in 0usize..K_STEPS {
+                    let vec0 = (warp * K_STEPS + j) * 2;
+                    let at = (nt * 8 + lane % 8) * KV_STRIDE + vec0 + (lane / 8) % 2;
+                    let kb = mma.load_matrix::<Vector<bf16, Const<8>>, Const<2>>(
+                        &kvs.slice(at, at + 1),
+                        cmma::MatrixIdent::B,
+                        2usize,
+                        false,
+                    );
+                    let mut a = Array::<Frag>::new(4usize);
+                    #[unroll]
+                    for r in 0..4usize {
+                        a[r] = qa[j * 4 + r];
+                    }
+                    mma.execute_inplace(&a, &kb, &mut s);
+                }
+                #[unroll]
+                for half in 0..2usize {
+                    let base = warp * 16 * S_STRIDE + (g + half * 8) * S_STRIDE + nt * 8 + 2 * t;
+                    ss[base] = s[half][0];
+                    ss[base + 1] = s[half][1];
+                }
+            }
+            sync_cube();
+
+            // 3. Online softmax: 8 units per row, 4 positions each.
+            let mut sv = Array::<f32>::new(4usize);
+            let mut local_max = f32::new(NEG_BIG);
+            #[unroll]
+            for e in 0..4usize {
+                let col = part * 4 + e;
+                let at = srow * S_STRIDE + col;
+                let score = (ss[at]
+                    + ss[at + 16 * S_STRIDE]
+                    + ss[at + 32 * S_STRIDE]
+                    + ss[at + 48 * S_STRIDE])
+                    * softmax_scale;
+                let visible = row_valid && c * 32 + col <= row_pos;
+                sv[e] = select(visible, score, NEG_BIG);
+                local_max = max(local_max, sv[e]);
+            }
+            local_max = max(local_max, plane_shuffle_xor(local_max, 1));
+            local_max = max(local_max, plane_shuffle_xor(local_max, 2));
+            local_max = max(local_max, plane_shuffle_xor(local_max, 4));
+            let m_new = max(m_run, local_max);
+            let alpha = (m_run - m_new).exp();
+            let mut local_sum = 0.0f32;
+            #[unroll]
+            for e in 0..4usize {
+                let p = select(sv[e] > NEG_BIG, (sv[e] - m_new).exp(), 0.0);
+                local_sum += p;
+                ps[srow * P_STRIDE + part * 4 + e] = bf16::cast_from(p);
+            }
+            local_sum += plane_shuffle_xor(local_sum, 1);
+            local_sum += plane_shuffle_xor(local_sum, 2);
+            local_sum += plane_shuffle_xor(local_sum, 4);
+            l_run = l_run * alpha + local_sum;
+            m_run = m_new;
+            if part == 0 {
+                alpha_s[srow] = alpha;
+            }
+            sync_cube();
+
+            // 4. Rescale, then add weights x values for this warp's 128 output dimensions.
+            let a_lo = Acc::new(alpha_s[g]);
+            let a_hi = Acc::new(alpha_s[g + 8]);
+            #[unroll]
+            for n in 0usize..N_TILES {
+                acc[n * 2] = acc[n * 2] * a_lo;
+                acc[n * 2 + 1] = acc[n * 2 + 1] * a_hi;
+            }
+            #[unroll]
+            for kk in 0..2usize {
+                let prow = ((lane / 8) % 2) * 8 + lane % 8;
+                let pat = prow * P_STRIDE + kk * 16 + (lane / 16) * 8;
+                let pa = mma.load_matrix::<bf16, Const<2>>(
+                    &ps.slice(pat, pat + 8),
+                    cmma::MatrixIdent::A,
+                    4usize,
+                    false,
+                );
+                #[unroll]
+                for np in 0usize..N_TILES / 2 {
+                    let kv_r = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+                    let vat = kv_r * KV_STRIDE + warp * 16 + np * 2 + lane / 16;
+                    let vb = mma.load_matrix::<Vector<bf16, Const<8>>, Const<2>>(
+                        &kvs.slice(vat, vat + 1),
+                        cmma::MatrixIdent::B,
+                        4usize,
+                        true,
+                    );
+                    #[unroll]
+                    for half in 0..2usize {
+                        let mut bfrag = Array::<Frag>::new(2usize);
+                        bfrag[0] = vb[half * 2];
+                        bfrag[1] = vb[half * 2 + 1];
+                        let n = np * 2 + half;
+                        let mut c_frag = Array::<Acc>::new(2usize);
+                        c_frag[0] = acc[n * 2];
+                        c_frag[1] = acc[n * 2 + 1];
+                        mma.execute_inplace(&pa, &bfrag, &mut c_frag);
+                        acc[n * 2] = c_frag[0];
+                        acc[n * 2 + 1] = c_frag[1];
+                    }
+                }
+            }
+            sync_cube();
+        }
+
+        // Each row's (max, sum) for the warps, and for the combine.
+        let mut ml_s = SharedMemory::<f32>::new(32usize);
+        if part == 0 {
+            ml_s[srow * 2] = m_run;
+            ml_s[srow * 2 + 1] = l_run;
+            if !cfg.direct && row_valid {
+                let at = (split * total_rows as usize + first_row + srow) * 2;
+                part_ml[at] = m_run;
+                part_ml[at + 1] = l_run;
+            }
+        }
+        sync_cube();
+        #[unroll]
+        for half in 0..2usize {
+            let r = g + half * 8;
+            if r < rows_here {
+                let mut scale = Acc::new(1.0);
+                if cfg.direct {
+                    scale = Acc::new(1.0 / ml_s[r * 2 + 1]);
+                }
+                let dst_row = select(cfg.direct, first_row + r, split * total_rows as usize + first_row + r);
+                #[unroll]
+                for n in 0usize..N_TILES {
+                    let v = acc[n * 2 + half] * scale;
+                    let d = dst_row * 512 + warp * 128 + n * 8 + 2 * t;
+                    if cfg.direct {
+                        out[d] = v[0];
+                        out[d + 1] = v[1];
+                    } else {
+                        part_out[d] = v[0];
+                        part_out[d + 1] = v[1];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 16-byte vector `v` (8 values) of KV row `row` as bf16.
+#[cube]
+fn load_vec(
+    kv_vecs: &Array<Vector<bf16, Const<8>>>,
+    kv_words: &Array<u32>,
+    row: usize,
+    v: usize,
+    #[comptime] format: KvFormat,
+) -> Vector<bf16, Const<8>> {
+    if comptime!(format == KvFormat::Bf16) {
+        kv_vecs[row * ROW_VECS + v]
+    } else {
+        // FlashMLA's row: 128 words of E4M3 codes, 4 f32 scales, 32 words of bf16 rope.
+        let base = row * 164;
+        let mut value = Vector::<bf16, Const<8>>::empty();
+        if v < 64 {
+            let scale = f32::reinterpret(kv_words[base + 128 + v / 16]);
+            #[unroll]
+            for e in 0..8usize {
+                value[e] = bf16::cast_from(e4m3_to_f32(byte_at(kv_words, base * 4 + v * 8 + e)) * scale);
+            }
+        } else {
+            #[unroll]
+            for e in 0..8usize {
+                value[e] = bf16::cast_from(bf16_to_f32(half_at(kv_words, (base + 132) * 2 + (v - 64) * 8 + e)));
+            }
+        }
+        value
+    }
+}
+
+/// Units of the combine: 8 warps.
+pub const COMBINE_UNITS: u32 = 256;
+
+/// Merges the splits of one query row: `out = sum_s e^{m_s - M} O_s / sum_s e^{m_s - M} l_s`
+/// over the splits that saw any position (`l_s > 0`). One cube per row; warp `w` sums the
+/// splits `s = w mod 8` (each lane 16 of the 512 dimensions), then the warps' sums meet in
+/// shared memory, so no unit walks all the splits one after another.
+#[cube(launch_unchecked)]
+pub fn combine_kernel(
+    part_out: &Array<Vector<f32, Const<4>>>,
+    part_ml: &Array<f32>,
+    out: &mut Array<Vector<f32, Const<4>>>,
+    total_rows: u32,
+    splits: u32,
+) {
+    let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let unit = UNIT_POS_X as usize;
+    let warp = unit / 32;
+    let lane = unit % 32;
+    let total = total_rows as usize;
+    let mut sums = SharedMemory::<Vector<f32, Const<4>>>::new(8usize * 128);
+    let mut dens = SharedMemory::<f32>::new(8usize);
+    if row < total {
+        // Every unit finds the maximum (the loads are independent and cached).
+        let mut m = f32::new(NEG_BIG);
+        for s in 0usize..splits as usize {
+            let at = (s * total + row) * 2;
+            m = select(part_ml[at + 1] > 0.0, max(m, part_ml[at]), m);
+        }
+        let mut num = Array::<Vector<f32, Const<4>>>::new(4usize);
+        #[unroll]
+        for e in 0..4usize {
+            num[e] = Vector::new(0.0);
+        }
+        let mut den = 0.0f32;
+        for s in range_stepped(warp, splits as usize, 8usize) {
+            let at = (s * total + row) * 2;
+            let l = part_ml[at + 1];
+            let w = select(l > 0.0, (part_ml[at] - m).exp(), 0.0);
+            den += w * l;
+            #[unroll]
+            for e in 0..4usize {
+                num[e] += Vector::new(w) * part_out[(s * total + row) * 128 + e * 32 + lane];
+            }
+        }
+        #[unroll]
+        for e in 0..4usize {
+            sums[warp * 128 + e * 32 + lane] = num[e];
+        }
+        if lane == 0 {
+            dens[warp] = den;
+        }
+    }
+    sync_cube();
+    if row < total && unit < 128 {
+        let mut acc = Vector::<f32, Const<4>>::new(0.0);
+        let mut den = 0.0f32;
+        #[unroll]
+        for w in 0..8usize {
+            acc += sums[w * 128 + unit];
+            den += dens[w];
+        }
+        out[row * 128 + unit] = acc / Vector::new(den);
+    }
+}
