@@ -25,6 +25,7 @@
 //! the tensor cores; bf16 KV values are exact. `tolerance::attention_allowed` takes the
 //! operand type and bounds what that adds.
 use cubecl::prelude::*;
+use cubecl::prelude::barrier::{copy_async, Barrier};
 use half::bf16;
 
 use super::KvFormat;
@@ -110,9 +111,9 @@ pub fn mma_attention_kernel(
         let table = b * max_blocks as usize;
 
         let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
-        let mut kvs = SharedMemory::<Vector<bf16, Const<8>>>::new(32 * KV_STRIDE);
+        let mut kvs = SharedMemory::<Vector<bf16, Const<8>>>::new_aligned(2 * 32 * KV_STRIDE, 16usize);
         let mut ss = SharedMemory::<f32>::new(4 * 16 * S_STRIDE);
-        let mut ps = SharedMemory::<bf16>::new(16 * P_STRIDE);
+        let mut ps = SharedMemory::<bf16>::new_aligned(16 * P_STRIDE, 16usize);
         let mut alpha_s = SharedMemory::<f32>::new(16usize);
 
         // This warp's query fragments (A, 16 rows x 16 dims per k-step), from global memory.
@@ -149,27 +150,46 @@ pub fn mma_attention_kernel(
         let mut m_run = f32::new(NEG_BIG);
         let mut l_run = 0.0f32;
 
+        // bf16 rows are copied with cp.async into two buffers: the next chunk is in flight
+        // while this one is computed. fp8 rows are decoded through registers, one buffer.
+        let pipelined = comptime!(cfg.format == KvFormat::Bf16);
+        let bar_a = Barrier::shared(UNITS, unit == 0);
+        let bar_b = Barrier::shared(UNITS, unit == 0);
+        if pipelined && c_begin < c_end {
+            copy_chunk(kv_vecs, &mut kvs, 0, block_table, table, c_begin, last_pos, page_size as usize, unit);
+            bar_a.commit_copy_async();
+        }
         for c in c_begin..c_end {
-            // 1. The chunk's KV rows into shared memory as bf16 (zeros past the last one).
-            // Unrolled with no branch around the loads, so all of a unit's loads are in
-            // flight at once; positions past the last are read from the last row and zeroed.
-            #[unroll]
-            for j in 0..LOADS_PER_UNIT {
-                let idx = unit + j * UNITS as usize;
-                let r = idx / ROW_VECS;
-                let v = idx % ROW_VECS;
-                let pos = c * 32 + r;
-                let at = min(pos, last_pos);
-                let page = block_table[table + at / page_size as usize] as usize;
-                let kv_row = page * page_size as usize + at % page_size as usize;
-                let value = load_vec(kv_vecs, kv_words, kv_row, v, cfg.format);
-                kvs[r * KV_STRIDE + v] = select(
-                    pos <= last_pos,
-                    value,
-                    Vector::<bf16, Const<8>>::new(bf16::cast_from(0.0f32)),
-                );
+            // 1. The chunk's KV rows into shared memory as bf16. Positions past the last
+            // are read from the last row (finite values, weighted 0 below).
+            let buf = select(pipelined, (c - c_begin) % 2, 0);
+            let kb = buf * 32 * KV_STRIDE;
+            if pipelined {
+                if c + 1 < c_end {
+                    copy_chunk(kv_vecs, &mut kvs, 1 - buf, block_table, table, c + 1, last_pos, page_size as usize, unit);
+                    if buf == 0 {
+                        bar_b.commit_copy_async();
+                    } else {
+                        bar_a.commit_copy_async();
+                    }
+                }
+                if buf == 0 {
+                    bar_a.arrive_and_wait();
+                } else {
+                    bar_b.arrive_and_wait();
+                }
+            } else {
+                // Unrolled with no branch around the loads: all of a unit's are in flight.
+                #[unroll]
+                for j in 0..LOADS_PER_UNIT {
+                    let idx = unit + j * UNITS as usize;
+                    let r = idx / ROW_VECS;
+                    let v = idx % ROW_VECS;
+                    let kv_row = kv_row_of(block_table, table, min(c * 32 + r, last_pos), page_size as usize);
+                    kvs[r * KV_STRIDE + v] = load_vec(kv_vecs, kv_words, kv_row, v, cfg.format);
+                }
+                sync_cube();
             }
-            sync_cube();
 
             // 2. Scores over this warp's quarter of the dimensions: 4 n-tiles of 8 positions.
             #[unroll]
@@ -180,7 +200,7 @@ pub fn mma_attention_kernel(
                 #[unroll]
                 for j in 0usize..K_STEPS {
                     let vec0 = (warp * K_STEPS + j) * 2;
-                    let at = (nt * 8 + lane % 8) * KV_STRIDE + vec0 + (lane / 8) % 2;
+                    let at = kb + (nt * 8 + lane % 8) * KV_STRIDE + vec0 + (lane / 8) % 2;
                     let kb = mma.load_matrix::<Vector<bf16, Const<8>>, Const<2>>(
                         &kvs.slice(at, at + 1),
                         cmma::MatrixIdent::B,
@@ -262,7 +282,7 @@ pub fn mma_attention_kernel(
                 #[unroll]
                 for np in 0usize..N_TILES / 2 {
                     let kv_r = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-                    let vat = kv_r * KV_STRIDE + warp * 16 + np * 2 + lane / 16;
+                    let vat = kb + kv_r * KV_STRIDE + warp * 16 + np * 2 + lane / 16;
                     let vb = mma.load_matrix::<Vector<bf16, Const<8>>, Const<2>>(
                         &kvs.slice(vat, vat + 1),
                         cmma::MatrixIdent::B,
@@ -325,6 +345,38 @@ pub fn mma_attention_kernel(
     }
 }
 
+/// Cache row holding position `pos` of the request whose block table starts at `table`.
+#[cube]
+fn kv_row_of(block_table: &Array<u32>, table: usize, pos: usize, page_size: usize) -> usize {
+    block_table[table + pos / page_size] as usize * page_size + pos % page_size
+}
+
+/// Starts the cp.async copies of chunk `c`'s bf16 rows into buffer `buf` (this unit's share;
+/// positions past `last_pos` copy the last row).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_chunk(
+    kv_vecs: &Array<Vector<bf16, Const<8>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    buf: usize,
+    block_table: &Array<u32>,
+    table: usize,
+    c: usize,
+    last_pos: usize,
+    page_size: usize,
+    unit: usize,
+) {
+    #[unroll]
+    for j in 0..LOADS_PER_UNIT {
+        let idx = unit + j * UNITS as usize;
+        let r = idx / ROW_VECS;
+        let v = idx % ROW_VECS;
+        let src = kv_row_of(block_table, table, min(c * 32 + r, last_pos), page_size) * ROW_VECS + v;
+        let dst = (buf * 32 + r) * KV_STRIDE + v;
+        copy_async(&kv_vecs.slice(src, src + 1), &mut kvs.slice_mut(dst, dst + 1), 8u32);
+    }
+}
+
 /// The 16-byte vector `v` (8 values) of KV row `row` as bf16.
 #[cube]
 fn load_vec(
@@ -356,13 +408,15 @@ fn load_vec(
     }
 }
 
-/// Units of the combine: 8 warps.
+/// Units of the combine: 32 split lanes x 8 vectors of 4 dimensions.
 pub const COMBINE_UNITS: u32 = 256;
+/// Output dimensions per combine cube.
+pub const COMBINE_DIMS: u32 = 32;
 
 /// Merges the splits of one query row: `out = sum_s e^{m_s - M} O_s / sum_s e^{m_s - M} l_s`
-/// over the splits that saw any position (`l_s > 0`). One cube per row; warp `w` sums the
-/// splits `s = w mod 8` (each lane 16 of the 512 dimensions), then the warps' sums meet in
-/// shared memory, so no unit walks all the splits one after another.
+/// over the splits that saw any position (`l_s > 0`). A cube per (row, 32 dimensions):
+/// unit `u` takes the splits `s = u / 8 (mod 32)` and the 4 dimensions `u % 8`, so each
+/// unit walks at most `splits / 32` splits; the 32 split lanes meet in shared memory.
 #[cube(launch_unchecked)]
 pub fn combine_kernel(
     part_out: &Array<Vector<f32, Const<4>>>,
@@ -371,53 +425,50 @@ pub fn combine_kernel(
     total_rows: u32,
     splits: u32,
 ) {
-    let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let row = CUBE_POS_X as usize;
+    let block = CUBE_POS_Y as usize;
     let unit = UNIT_POS_X as usize;
-    let warp = unit / 32;
-    let lane = unit % 32;
+    let lane = unit / 8;
+    let vec = block * 8 + unit % 8;
     let total = total_rows as usize;
-    let mut sums = SharedMemory::<Vector<f32, Const<4>>>::new(8usize * 128);
-    let mut dens = SharedMemory::<f32>::new(8usize);
-    if row < total {
-        // Every unit finds the maximum (the loads are independent and cached).
-        let mut m = f32::new(NEG_BIG);
-        for s in 0usize..splits as usize {
-            let at = (s * total + row) * 2;
-            m = select(part_ml[at + 1] > 0.0, max(m, part_ml[at]), m);
-        }
-        let mut num = Array::<Vector<f32, Const<4>>>::new(4usize);
-        #[unroll]
-        for e in 0..4usize {
-            num[e] = Vector::new(0.0);
-        }
-        let mut den = 0.0f32;
-        for s in range_stepped(warp, splits as usize, 8usize) {
-            let at = (s * total + row) * 2;
-            let l = part_ml[at + 1];
-            let w = select(l > 0.0, (part_ml[at] - m).exp(), 0.0);
-            den += w * l;
-            #[unroll]
-            for e in 0..4usize {
-                num[e] += Vector::new(w) * part_out[(s * total + row) * 128 + e * 32 + lane];
-            }
-        }
-        #[unroll]
-        for e in 0..4usize {
-            sums[warp * 128 + e * 32 + lane] = num[e];
-        }
-        if lane == 0 {
-            dens[warp] = den;
-        }
+    let mut maxes = SharedMemory::<f32>::new(32usize);
+    let mut sums = SharedMemory::<Vector<f32, Const<4>>>::new(256usize);
+    let mut dens = SharedMemory::<f32>::new(32usize);
+    let mut m = f32::new(NEG_BIG);
+    for s in range_stepped(lane, splits as usize, 32usize) {
+        let at = (s * total + row) * 2;
+        m = select(part_ml[at + 1] > 0.0, max(m, part_ml[at]), m);
+    }
+    if unit % 8 == 0 {
+        maxes[lane] = m;
     }
     sync_cube();
-    if row < total && unit < 128 {
+    #[unroll]
+    for l in 0..32usize {
+        m = max(m, maxes[l]);
+    }
+    let mut num = Vector::<f32, Const<4>>::new(0.0);
+    let mut den = 0.0f32;
+    for s in range_stepped(lane, splits as usize, 32usize) {
+        let at = (s * total + row) * 2;
+        let l = part_ml[at + 1];
+        let w = select(l > 0.0, (part_ml[at] - m).exp(), 0.0);
+        den += w * l;
+        num += Vector::new(w) * part_out[(s * total + row) * 128 + vec];
+    }
+    sums[unit] = num;
+    if unit % 8 == 0 {
+        dens[lane] = den;
+    }
+    sync_cube();
+    if unit < 8 {
         let mut acc = Vector::<f32, Const<4>>::new(0.0);
-        let mut den = 0.0f32;
+        let mut total_den = 0.0f32;
         #[unroll]
-        for w in 0..8usize {
-            acc += sums[w * 128 + unit];
-            den += dens[w];
+        for l in 0..32usize {
+            acc += sums[l * 8 + unit];
+            total_den += dens[l];
         }
-        out[row * 128 + unit] = acc / Vector::new(den);
+        out[row * 128 + vec] = acc / Vector::new(total_den);
     }
 }

@@ -216,10 +216,9 @@ fn launch_mma<R: Runtime>(
             config,
         );
         if splits > 1 {
-            let x = (total_rows as u32).min(client.properties().hardware.max_cube_count.0);
             mma::combine_kernel::launch_unchecked::<R>(
                 client,
-                CubeCount::Static(x, (total_rows as u32).div_ceil(x), 1),
+                CubeCount::Static(total_rows as u32, V_DIM as u32 / mma::COMBINE_DIMS, 1),
                 CubeDim::new_1d(mma::COMBINE_UNITS),
                 part_out.arg(),
                 part_ml.arg(),
