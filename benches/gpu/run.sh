@@ -22,6 +22,7 @@ bench() {
   export LD_LIBRARY_PATH="${CUDA_HOME:-/usr/local/cuda}/lib64:${LD_LIBRARY_PATH:-}"
   .gpu/gemm_peer "$out/gemm_peer.json" 2>&1 | tee "$out/gemm_peer.log"
   .gpu/mla_decode "$out/mla_decode.json" 2>&1 | tee "$out/mla_decode.log"
+  .gpu/tree_verify "$out/tree_verify.json" 2>&1 | tee "$out/tree_verify.log"
   .gpu/layer_decode --backend cuda --json "$out/layer_decode.json" 2>&1 | tee "$out/layer_decode.log"
 }
 case "${1:-}" in
@@ -32,7 +33,8 @@ case "${1:-}" in
     cp "$(test_exe kiln-conformance conformance)" .gpu/conformance
     cp "$(test_exe kiln hf_conformance)" .gpu/hf_conformance
     cp target/cuda/release/kiln target/cuda/release/layer_decode target/cuda/release/gemm_peer \
-      target/cuda/release/gemm_decode target/cuda/release/mla_decode .gpu/
+      target/cuda/release/gemm_decode target/cuda/release/mla_decode \
+      target/cuda/release/tree_verify .gpu/
     strip .gpu/*
     ls -la .gpu
     ;;

@@ -65,8 +65,9 @@ impl<T: CubeElement> DeviceArray<T> {
         T::from_bytes(&bytes)[..self.len].to_vec()
     }
 
-    /// The kernel argument viewing this buffer.
-    pub(crate) fn arg<R: Runtime>(&self) -> ArrayArg<R> {
+    /// The kernel argument viewing this buffer (also for kernels outside this crate, such as
+    /// a benchmark's input generator).
+    pub fn arg<R: Runtime>(&self) -> ArrayArg<R> {
         // SAFETY: `len` elements of `T` were allocated for this handle.
         unsafe { ArrayArg::from_raw_parts(self.handle.clone(), self.len) }
     }
