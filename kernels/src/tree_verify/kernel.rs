@@ -1,7 +1,28 @@
 //! The cube kernels: one cube per request.
+//!
+//! The stochastic kernel streams a whole vocabulary row only when a rejection needs a new
+//! residual (and once more for the bonus when the walk ends on a node without rejections),
+//! so its bytes are the rows the walk must read. Its design:
+//! - The residual is never stored: after `k` rejections at a node it is `w_k / S_k`, with
+//!   `w_0 = p`, `S_0 = 1`, `w_{j+1} = relu(w_j - S_j q)` and `S_{j+1} = sum(w_{j+1})`
+//!   (algebraically the reference's `norm(relu(r - q))`). A pass recomputes `w_k` from the
+//!   target and draft rows with the `S_j` kept in shared memory: no scratch buffer, no
+//!   writes, and one read of `p` and `q` per rejection instead of read-write-reread.
+//! - A pass is coalesced and vectorised: the cube's units form groups of 32 (a CUDA plane),
+//!   each group streams one contiguous segment of the row in 4-float vectors, with
+//!   [`UNROLL`] loads per array in flight per unit. The walk's scalar reads (each child's
+//!   `p(x)`, `q(x)` and uniform) are fetched for all nodes at once before it starts.
+//! - The bonus is sampled by inverse CDF in three levels, so the row is not read twice: the
+//!   segment from the sums the last pass left in shared memory, then a unit's span of that
+//!   segment (the segment re-read: 1/16 of the row at 512 units), then the token.
+//! - Reductions go through shared memory only (llvmpipe has no plane operations).
+//!
+//! The limit of the design: one cube, so one SM, per request. A request whose walk needs
+//! several rows takes them at one SM's bandwidth however wide the batch, and a batch below
+//! the SM count leaves the rest of the GPU idle.
 use cubecl::prelude::*;
 
-use crate::reduce::cube_sum;
+use super::MAX_NODES;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -54,15 +75,21 @@ pub fn verify_greedy_kernel(
     }
 }
 
+/// Units per group: a group streams one contiguous segment of a row.
+const GROUP: usize = 32;
+/// Vectors per array each unit loads before using any.
+const UNROLL: usize = 4;
+
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn verify_stochastic_kernel(
+pub fn verify_stochastic_kernel<N: Size>(
     parents: &Array<i32>,
     tokens: &Array<u32>,
     target_probs: &Array<f32>,
     draft_probs: &Array<f32>,
+    target_vectors: &Array<Vector<f32, N>>,
+    draft_vectors: &Array<Vector<f32, N>>,
     uniforms: &Array<f32>,
-    residual: &mut Array<f32>,
     accepted: &mut Array<i32>,
     accept_len: &mut Array<u32>,
     bonus: &mut Array<u32>,
@@ -75,102 +102,339 @@ pub fn verify_stochastic_kernel(
     let n = nodes as usize;
     let v = vocab as usize;
     let base = b * n;
-    let res = b * v;
+    let width = N::value();
+    // scales[j] = S_j, the scale subtracted at residual step j of the current node.
+    let mut scales = SharedMemory::<f32>::new(MAX_NODES);
     let mut partials = SharedMemory::<f32>::new(units as usize);
+    let mut spans = SharedMemory::<f32>::new(units as usize);
+    let mut group_sums = SharedMemory::<f32>::new(units as usize / GROUP);
+    // Node c's parent, uniform, and its token's target and draft probabilities at the
+    // parent: all the walk's scalar reads, fetched at once rather than one node at a time.
+    let mut parent_of = SharedMemory::<u32>::new(MAX_NODES);
+    let mut child_u = SharedMemory::<f32>::new(MAX_NODES);
+    let mut child_p = SharedMemory::<f32>::new(MAX_NODES);
+    let mut child_q = SharedMemory::<f32>::new(MAX_NODES);
+    for c in range_stepped(unit + 1, n, units as usize) {
+        let parent = parents[base + c] as usize;
+        let at = (base + parent) * v + tokens[base + c] as usize;
+        parent_of[c] = parent as u32;
+        child_u[c] = uniforms[b * (n + 1) + c];
+        child_p[c] = target_probs[at];
+        child_q[c] = draft_probs[at];
+    }
+    sync_cube();
 
+    // Every unit walks the same path: all decisions come from shared memory read after a
+    // barrier.
     let mut cur = 0usize;
     let mut len = 0usize;
-    // While true the residual is the target row of `cur` itself, not yet copied.
-    let mut fresh = true;
+    let mut steps = 0usize;
+    let mut total = 1.0f32;
+    // Whether group_sums hold the segment sums of the current residual.
+    let mut sums_ready = false;
     for c in 1..n {
-        if parents[base + c] as usize == cur {
-            let x = tokens[base + c] as usize;
-            let q_row = (base + cur) * v;
-            let r_x = select(fresh, target_probs[q_row + x], residual[res + x]);
-            if uniforms[b * (n + 1) + c] * draft_probs[q_row + x] < r_x {
+        if parent_of[c] as usize == cur {
+            let q_x = child_q[c];
+            let w_x = residual_at(child_p[c], q_x, &scales, steps);
+            if child_u[c] * q_x < w_x / total {
                 if unit == 0 {
                     accepted[base + len] = c as i32;
                 }
                 len += 1;
                 cur = c;
-                fresh = true;
+                steps = 0;
+                total = 1.0;
+                sums_ready = false;
             } else {
-                // r = relu(r - q), then renormalise.
-                let mut partial = 0.0f32;
-                for t in range_stepped(unit, v, units as usize) {
-                    let r = select(fresh, target_probs[q_row + t], residual[res + t]);
-                    let next = max(r - draft_probs[q_row + t], 0.0);
-                    residual[res + t] = next;
-                    partial += next;
+                if unit == 0 {
+                    scales[steps] = total;
                 }
-                let total = cube_sum(partial, &mut partials, unit, units);
-                // total == 0 means r <= q everywhere with equal sums, so r == q: keep r.
-                for t in range_stepped(unit, v, units as usize) {
-                    residual[res + t] = select(
-                        total > 0.0,
-                        residual[res + t] / total,
-                        draft_probs[q_row + t],
-                    );
+                sync_cube();
+                let row = (base + cur) * v;
+                let next = row_pass(
+                    target_vectors,
+                    draft_vectors,
+                    row / width,
+                    v / width,
+                    &scales,
+                    steps + 1,
+                    &mut partials,
+                    &mut group_sums,
+                    unit,
+                    units,
+                );
+                // A zero sum means r <= q everywhere with equal sums, so r == q: keep r
+                // (the reference's rule).
+                sums_ready = next > 0.0;
+                if sums_ready {
+                    steps += 1;
+                    total = next;
                 }
-                // Every unit reads any residual entry next: order the global writes
-                // (workgroupBarrier alone does not on wgpu).
-                sync_storage();
-                fresh = false;
             }
         }
     }
 
-    // Sample the bonus token from r by inverse CDF: each unit sums a contiguous span.
     let row = (base + cur) * v;
-    let span = v.div_ceil(units as usize);
-    let start = min(unit * span, v);
-    let end = min(start + span, v);
-    let mut partial = 0.0f32;
-    for t in start..end {
-        partial += select(fresh, target_probs[row + t], residual[res + t]);
+    if !sums_ready {
+        total = row_pass(
+            target_vectors,
+            draft_vectors,
+            row / width,
+            v / width,
+            &scales,
+            steps,
+            &mut partials,
+            &mut group_sums,
+            unit,
+            units,
+        );
     }
-    partials[unit] = partial;
-    sync_cube();
+    let mass = uniforms[b * (n + 1) + n] * total;
+    let picked = sample(
+        target_vectors,
+        draft_vectors,
+        target_probs,
+        draft_probs,
+        row,
+        v / width,
+        mass,
+        &scales,
+        steps,
+        &mut partials,
+        &mut spans,
+        &mut group_sums,
+        unit,
+        units,
+    );
     if unit == 0 {
-        let mut total = 0.0f32;
-        for s in 0..units as usize {
-            total += partials[s];
-        }
-        let target = uniforms[b * (n + 1) + n] * total;
-        let mut picked = v;
-        let mut last_positive = 0usize;
-        let mut running = 0.0f32;
-        for s in 0..units as usize {
-            if picked == v {
-                if running + partials[s] > target {
-                    let s_end = min(s * span + span, v);
-                    for t in s * span..s_end {
-                        let p = select(fresh, target_probs[row + t], residual[res + t]);
-                        if picked == v {
-                            running += p;
-                            if running > target {
-                                picked = t;
-                            }
-                        }
-                    }
-                } else {
-                    running += partials[s];
-                }
-            }
-        }
-        if picked == v {
-            // Rounding left the target at the very end: take the last token with mass.
-            for t in 0..v {
-                if select(fresh, target_probs[row + t], residual[res + t]) > 0.0 {
-                    last_positive = t;
-                }
-            }
-            picked = last_positive;
-        }
         for i in len..n {
             accepted[base + i] = -1;
         }
         accept_len[b] = len as u32;
         bonus[b] = picked as u32;
     }
+}
+
+/// `w_steps` at one token from its target and draft probabilities.
+#[cube]
+fn residual_at(p: f32, q: f32, scales: &SharedMemory<f32>, steps: usize) -> f32 {
+    let mut w = p;
+    for j in 0..steps {
+        w = max(w - scales[j] * q, 0.0);
+    }
+    w
+}
+
+/// One coalesced pass over a row (`lines` vectors from vector `row`): each group sums one
+/// contiguous segment, its lanes reading consecutive vectors. Returns the sum of `w_steps`
+/// and leaves the segment sums in `group_sums`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn row_pass<N: Size>(
+    target: &Array<Vector<f32, N>>,
+    draft: &Array<Vector<f32, N>>,
+    row: usize,
+    lines: usize,
+    scales: &SharedMemory<f32>,
+    steps: usize,
+    partials: &mut SharedMemory<f32>,
+    group_sums: &mut SharedMemory<f32>,
+    unit: usize,
+    #[comptime] units: u32,
+) -> f32 {
+    let groups = comptime!(units as usize / GROUP);
+    let per_group = lines.div_ceil(groups);
+    let start = min(unit / GROUP * per_group, lines);
+    let end = min(start + per_group, lines);
+    let sum = vector_sum(
+        target,
+        draft,
+        row,
+        start + unit % GROUP,
+        end,
+        GROUP,
+        scales,
+        steps,
+    );
+    group_reduce(sum, partials, group_sums, unit);
+    let mut total = 0.0f32;
+    for g in 0..groups {
+        total += group_sums[g];
+    }
+    total
+}
+
+/// Sum of `w_steps` over vectors `first, first + step, ...` below `end` of the row at
+/// vector `row`, with [`UNROLL`] loads per array issued before any is used. Reads the draft
+/// row only when `steps > 0`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn vector_sum<N: Size>(
+    target: &Array<Vector<f32, N>>,
+    draft: &Array<Vector<f32, N>>,
+    row: usize,
+    first: usize,
+    end: usize,
+    step: usize,
+    scales: &SharedMemory<f32>,
+    steps: usize,
+) -> f32 {
+    let zero = Vector::<f32, N>::new(0.0);
+    let mut acc = zero;
+    let mut p = Array::<Vector<f32, N>>::new(UNROLL);
+    let mut q = Array::<Vector<f32, N>>::new(UNROLL);
+    for i in range_stepped(first, end, step * UNROLL) {
+        // Indices past `end` re-read the last vector and are masked below.
+        #[unroll]
+        for r in 0..UNROLL {
+            let at = row + min(i + r * step, end - 1);
+            p[r] = target[at];
+            if steps > 0 {
+                q[r] = draft[at];
+            }
+        }
+        #[unroll]
+        for r in 0..UNROLL {
+            let mut w = p[r];
+            for j in 0..steps {
+                w = max(w - q[r] * Vector::new(scales[j]), zero);
+            }
+            acc += select(i + r * step < end, w, zero);
+        }
+    }
+    let mut sum = 0.0f32;
+    #[unroll]
+    for e in 0..N::value() {
+        sum += acc[e];
+    }
+    sum
+}
+
+/// Sums `value` over each group of [`GROUP`] units into `group_sums[group]` (a tree in
+/// shared memory); ends with a barrier.
+#[cube]
+fn group_reduce(
+    value: f32,
+    partials: &mut SharedMemory<f32>,
+    group_sums: &mut SharedMemory<f32>,
+    unit: usize,
+) {
+    let lane = unit % GROUP;
+    partials[unit] = value;
+    sync_cube();
+    #[unroll]
+    for level in 0..comptime!(GROUP.trailing_zeros()) {
+        let stride = comptime!(GROUP >> (level + 1));
+        if lane < stride {
+            partials[unit] += partials[unit + stride];
+        }
+        sync_cube();
+    }
+    if lane == 0 {
+        group_sums[unit / GROUP] = partials[unit];
+    }
+    sync_cube();
+}
+
+/// Inverse-CDF choice among `count` sums from `sums[start]`: the first index where the
+/// running sum exceeds `mass`, else (rounding) the last one with mass, else the last one.
+#[cube]
+fn pick(sums: &SharedMemory<f32>, start: usize, count: usize, mass: f32) -> usize {
+    let mut running = 0.0f32;
+    let mut picked = count;
+    let mut last_positive = count - 1;
+    for i in 0..count {
+        let s = sums[start + i];
+        if picked == count {
+            running += s;
+            if running > mass {
+                picked = i;
+            }
+        }
+        if s > 0.0 {
+            last_positive = i;
+        }
+    }
+    select(picked < count, picked, last_positive)
+}
+
+/// Sum of `sums[start..start + count]`.
+#[cube]
+fn prefix(sums: &SharedMemory<f32>, start: usize, count: usize) -> f32 {
+    let mut s = 0.0f32;
+    for i in 0..count {
+        s += sums[start + i];
+    }
+    s
+}
+
+/// Samples the token where the cumulative sum of `w_steps` over the row (element `row`,
+/// vector `row / width`) first exceeds `mass`, in three levels: the segment, from the sums
+/// [`row_pass`] left in `group_sums`; a unit's span of the segment, from every unit's span
+/// sum (contiguous spans, read with [`vector_sum`]); the token, by a scalar scan of that span
+/// (in the L1 of the cube that just read it).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn sample<N: Size>(
+    target_vectors: &Array<Vector<f32, N>>,
+    draft_vectors: &Array<Vector<f32, N>>,
+    target: &Array<f32>,
+    draft: &Array<f32>,
+    row: usize,
+    lines: usize,
+    mass: f32,
+    scales: &SharedMemory<f32>,
+    steps: usize,
+    partials: &mut SharedMemory<f32>,
+    spans: &mut SharedMemory<f32>,
+    group_sums: &mut SharedMemory<f32>,
+    unit: usize,
+    #[comptime] units: u32,
+) -> usize {
+    let width = N::value();
+    let per_group = lines.div_ceil(comptime!(units as usize / GROUP));
+    // The segment, among those holding any vector.
+    let seg = pick(group_sums, 0, lines.div_ceil(per_group), mass);
+    let mut rest = mass - prefix(group_sums, 0, seg);
+    let lo = seg * per_group;
+    let hi = min(lo + per_group, lines);
+    // Every unit read group_sums above, before group_reduce's first barrier rewrites them.
+    let span = (hi - lo).div_ceil(units as usize);
+    let used = (hi - lo).div_ceil(span);
+    let first = min(lo + unit * span, hi);
+    let sum = vector_sum(
+        target_vectors,
+        draft_vectors,
+        row / width,
+        first,
+        min(first + span, hi),
+        1,
+        scales,
+        steps,
+    );
+    spans[unit] = sum;
+    group_reduce(sum, partials, group_sums, unit);
+    let group = pick(group_sums, 0, used.div_ceil(GROUP), rest);
+    rest -= prefix(group_sums, 0, group);
+    let chosen = group * GROUP + pick(spans, group * GROUP, min(GROUP, used - group * GROUP), rest);
+    rest -= prefix(spans, group * GROUP, chosen - group * GROUP);
+    // The token within the chosen span, by the same rule.
+    let from = (lo + chosen * span) * width;
+    let to = min(lo + (chosen + 1) * span, hi) * width;
+    let mut running = 0.0f32;
+    let mut picked = to;
+    let mut last_positive = to - 1;
+    for t in from..to {
+        let w = residual_at(target[row + t], draft[row + t], scales, steps);
+        if picked == to {
+            running += w;
+            if running > rest {
+                picked = t;
+            }
+        }
+        if w > 0.0 {
+            last_positive = t;
+        }
+    }
+    select(picked < to, picked, last_positive)
 }

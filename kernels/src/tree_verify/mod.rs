@@ -22,13 +22,14 @@ mod kernel;
 
 use cubecl::prelude::*;
 
-use crate::buffer::check_len;
+use crate::buffer::{check_index_space, check_len};
 use crate::{DeviceArray, KernelError};
 
 /// Largest tree the verifiers take (one unit per node in the greedy kernel).
 pub const MAX_NODES: usize = 256;
-/// Units per cube of the stochastic verifier.
-const STOCHASTIC_UNITS: u32 = 128;
+/// Most units per cube of the stochastic verifier: 512 units with 4 + 4 vector loads each in
+/// flight (64 KB per SM) and registers to spare (1024 would cap them at 64 per unit).
+const STOCHASTIC_MAX_UNITS: usize = 512;
 
 /// A batch of token trees of `nodes` nodes each, on the device (`[batch, nodes]` arrays).
 pub struct TreeBatch {
@@ -98,29 +99,44 @@ pub fn verify_stochastic<R: Runtime>(
     check_len("target probabilities", target_probs, rows * vocab)?;
     check_len("draft probabilities", draft_probs, rows * vocab)?;
     check_len("uniforms", uniforms, trees.batch * (trees.nodes + 1))?;
-    // Scratch: the kernel writes each residual entry before reading it.
-    let residual = DeviceArray::<f32>::uninit(client, trees.batch * vocab);
+    check_index_space("probabilities", rows * vocab)?;
+    // Rows stream as 4-float vectors when they hold whole vectors.
+    let width = match vocab % 4 {
+        0 => 4,
+        _ => 1,
+    };
+    let units = stochastic_units(client, vocab / width);
     // SAFETY: validated above; parents are trusted to satisfy parents[i] < i.
     unsafe {
         kernel::verify_stochastic_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(trees.batch as u32, 1, 1),
-            CubeDim::new_1d(STOCHASTIC_UNITS),
+            CubeDim::new_1d(units),
+            width,
             trees.parents.arg(),
             trees.tokens.arg(),
             target_probs.arg(),
             draft_probs.arg(),
+            target_probs.arg(),
+            draft_probs.arg(),
             uniforms.arg(),
-            residual.arg(),
             out.accepted.arg(),
             out.accept_len.arg(),
             out.bonus.arg(),
             trees.nodes as u32,
             vocab as u32,
-            STOCHASTIC_UNITS,
+            units,
         )
     }
     Ok(())
+}
+
+/// Units per stochastic cube: about eight vectors of a row each, a power of two from 32
+/// (one group) to [`STOCHASTIC_MAX_UNITS`] or the device's limit.
+fn stochastic_units<R: Runtime>(client: &ComputeClient<R>, vectors: usize) -> u32 {
+    let hw = client.properties().hardware.max_units_per_cube as usize;
+    let limit = STOCHASTIC_MAX_UNITS.min(1 << hw.max(32).ilog2());
+    vectors.div_ceil(8).next_power_of_two().clamp(32, limit) as u32
 }
 
 fn validate<R: Runtime>(

@@ -44,6 +44,23 @@ fn stochastic<R: Runtime>(client: &ComputeClient<R>) {
     run_cases(client, true);
 }
 
+/// Vocabularies wide enough for every group of a cube to stream its own segment and for
+/// the bonus to be found in three levels (segment, unit span, token); one holds no whole
+/// 4-float vectors per row.
+fn large_vocabularies_match_the_reference<R: Runtime>(client: &ComputeClient<R>) {
+    for (vocab, seed) in [(40_000, 5), (9_999, 6)] {
+        let case = TreeCase {
+            batch: 3,
+            nodes: 24,
+            vocab,
+            stochastic: true,
+            seed,
+        };
+        let report = run_tree(client, &case, false).expect("valid case launches");
+        assert!(report.passed, "{case:?}: {}", report.detail);
+    }
+}
+
 fn verdicts<R: Runtime>(client: &ComputeClient<R>, batch: usize, nodes: usize) -> Verdicts {
     Verdicts {
         accepted: DeviceArray::filled(client, batch * nodes, i32::MIN),
@@ -168,5 +185,6 @@ kiln_backends::backend_tests! {
     greedy,
     stochastic,
     stochastic_verification_is_lossless,
+    large_vocabularies_match_the_reference,
     bad_inputs_are_typed_errors,
 }
