@@ -86,21 +86,40 @@ pub struct Tolerance {
     pub acc: DType,
     /// Output storage precision.
     pub out: DType,
+    /// The type one operand of every product is rounded to before it is multiplied (None
+    /// when the kernel multiplies them as given; bf16 on tensor cores fed f32 activations).
+    pub operands: Option<DType>,
 }
 
 impl Tolerance {
     /// A sum of `terms` products accumulated in `acc`, stored as `out`.
     pub fn dot(terms: usize, acc: DType, out: DType) -> Self {
-        Self { terms, acc, out }
+        Self {
+            terms,
+            acc,
+            out,
+            operands: None,
+        }
+    }
+
+    /// The same sum with one operand of every product rounded to `operands` first: each
+    /// product moves by at most `u_op` of its magnitude, the sum by `u_op * magnitude`.
+    pub fn with_operands(self, operands: DType) -> Self {
+        Self {
+            operands: Some(operands),
+            ..self
+        }
     }
 
     /// Allowed `|actual - expected|` for one output whose exact value is `expected`
     /// and whose `sum |a_i b_i|` is `magnitude`:
-    /// `gamma(terms, acc) * magnitude + u_out * (|expected| + that) + smallest_normal(out)`.
+    /// `(gamma(terms, acc) + u_op) * magnitude + u_out * (|expected| + that) +
+    /// smallest_normal(out)`, with `u_op` the operand rounding ([`Self::with_operands`]).
     /// (The output rounding applies to the computed value, hence the second-order
     /// `u_out * gamma * magnitude` term.)
     pub fn allowed(&self, expected: f64, magnitude: f64) -> f64 {
-        let acc_err = gamma(self.terms, self.acc) * magnitude;
+        let u_op = self.operands.map_or(0.0, DType::unit_roundoff);
+        let acc_err = (gamma(self.terms, self.acc) + u_op) * magnitude;
         acc_err + self.out.unit_roundoff() * (expected.abs() + acc_err) + self.out.smallest_normal()
     }
 

@@ -11,13 +11,16 @@
 //! `expert_offsets[e]..expert_offsets[e + 1]` are expert `e`'s rows; the offsets are read on
 //! the device (no host sync), so a decode step that routes on the device can call it.
 //!
-//! Two kernels, chosen by the public launches:
-//! - [`skinny`] for decode (`M <= 16`, `K % 32 == 0` for NVFP4, `K % 8 == 0` for bf16):
-//!   a bandwidth-oriented GEMV with coalesced 16-byte weight loads, decode in registers and a
-//!   cube-level reduction;
-//! - the correct-first kernel (one unit per output element) for everything else, the
-//!   grouped GEMM included. The tiled W4A16 kernel for larger M is the speed issue's work.
+//! Three kernels, chosen by the public launches:
+//! - [`skinny`] for dense decode (`M <= 16`, `K % 32 == 0` for NVFP4, `K % 8 == 0` for
+//!   bf16): a bandwidth-oriented GEMV with coalesced 16-byte weight loads, decode in
+//!   registers and a cube-level reduction;
+//! - `mma` (CUDA tensor cores, `K % 64 == 0`) for larger M and for the grouped GEMM:
+//!   64 x 128 tiles, weights decoded into shared memory as bf16, `mma.sync` on bf16
+//!   operands ([`uses_tensor_cores`] says when it runs);
+//! - the correct-first kernel (one unit per output element) for everything else (wgpu).
 mod kernel;
+mod mma;
 mod skinny;
 
 use cubecl::prelude::*;
@@ -146,6 +149,8 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
     validate(client, a, m, w.n, w.k, out)?;
     if takes_skinny(m, w.k, WeightFormat::Nvfp4) {
         launch_skinny_nvfp4_unchecked(client, a, m, w, out);
+    } else if uses_tensor_cores(client, w.k) {
+        launch_mma(client, a, m, Operand::Nvfp4(w), None, out);
     } else {
         launch_nvfp4_unchecked(client, a, m, w, None, out);
     }
@@ -166,7 +171,11 @@ pub fn nvfp4_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
-    launch_nvfp4_unchecked(client, a, m, w, Some(expert_offsets), out);
+    if uses_tensor_cores(client, w.k) {
+        launch_mma(client, a, m, Operand::Nvfp4(w), Some(expert_offsets), out);
+    } else {
+        launch_nvfp4_unchecked(client, a, m, w, Some(expert_offsets), out);
+    }
     Ok(())
 }
 
@@ -190,6 +199,8 @@ pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
     validate(client, a, m, w.n, w.k, out)?;
     if takes_skinny(m, w.k, WeightFormat::Bf16) {
         launch_skinny_bf16_unchecked(client, a, m, w, out);
+    } else if uses_tensor_cores(client, w.k) {
+        launch_mma(client, a, m, Operand::Bf16(w), None, out);
     } else {
         launch_bf16_unchecked(client, a, m, w, None, out);
     }
@@ -208,7 +219,11 @@ pub fn bf16_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
-    launch_bf16_unchecked(client, a, m, w, Some(expert_offsets), out);
+    if uses_tensor_cores(client, w.k) {
+        launch_mma(client, a, m, Operand::Bf16(w), Some(expert_offsets), out);
+    } else {
+        launch_bf16_unchecked(client, a, m, w, Some(expert_offsets), out);
+    }
     Ok(())
 }
 
@@ -306,6 +321,70 @@ pub fn launch_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
             w.experts as u32,
             expert_offsets.is_some(),
             WeightFormat::Bf16,
+        )
+    }
+}
+
+/// True when a GEMM with rows of `k` elements that is not skinny runs on the tensor cores:
+/// `k % 64 == 0` on a device with bf16 `mma.sync m16n8k16`, `ldmatrix` and plane sums.
+/// That path rounds the activations to bf16 (see `mma.rs`).
+pub fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, k: usize) -> bool {
+    use cubecl::ir::{ElemType, FloatKind, StorageType};
+    let features = &client.properties().features;
+    let bf16 = StorageType::Scalar(ElemType::Float(FloatKind::BF16));
+    let f32 = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+    k % mma::BK as usize == 0
+        && features.plane.contains(cubecl::ir::features::Plane::Ops)
+        && features.matmul.ldmatrix.contains(&bf16)
+        && features.matmul.mma.iter().any(|c| {
+            (c.m, c.n, c.k) == (16, 8, 16) && c.a_type == bf16 && c.b_type == bf16 && c.cd_type == f32
+        })
+}
+
+/// The weight operand of [`launch_mma`].
+enum Operand<'a> {
+    Nvfp4(&'a Nvfp4Weights),
+    Bf16(&'a Bf16Weights),
+}
+
+/// Launches the tensor-core GEMM (grouped when `expert_offsets` is given). Trusts
+/// validated shapes and `k % 64 == 0`.
+fn launch_mma<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: Operand<'_>,
+    expert_offsets: Option<&DeviceArray<u32>>,
+    out: &DeviceArray<f32>,
+) {
+    let (data, scales, globals, format, experts, n, k) = match w {
+        Operand::Nvfp4(w) => {
+            let globals = w.global_scales.arg();
+            (&w.packed, &w.scales, globals, WeightFormat::Nvfp4, w.experts, w.n, w.k)
+        }
+        Operand::Bf16(w) => (&w.data, &w.data, w.data.arg(), WeightFormat::Bf16, w.experts, w.n, w.k),
+    };
+    let m_tiles = (m as u32).div_ceil(mma::BM) + if expert_offsets.is_some() { experts as u32 } else { 0 };
+    let offsets = expert_offsets.unwrap_or(data);
+    // SAFETY: validated shapes; the weight words bind every slot the format does not read.
+    unsafe {
+        mma::mma_gemm_kernel::launch_unchecked::<F, R>(
+            client,
+            CubeCount::Static(m_tiles, (n as u32).div_ceil(mma::BN), 1),
+            CubeDim::new_1d(mma::UNITS),
+            a.arg(),
+            data.arg(),
+            data.arg(),
+            scales.arg(),
+            globals,
+            offsets.arg(),
+            out.arg(),
+            m as u32,
+            n as u32,
+            k as u32,
+            experts as u32,
+            expert_offsets.is_some(),
+            format,
         )
     }
 }

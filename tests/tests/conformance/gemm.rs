@@ -73,6 +73,31 @@ fn bf16_weights<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
     run_cases::<R, F>(client, grouped);
 }
 
+/// Shapes for the tiled kernel (CUDA tensor cores; the portable kernel elsewhere): M past
+/// the skinny limit with partial 64-row tiles, N with a partial 128-column tile, K of one and
+/// of three 64-steps, and experts with several tiles, a partial one and none.
+fn tiled_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
+    for (i, (m, n, k)) in [(17, 21, 64), (64, 128, 192), (65, 200, 64), (130, 37, 128)]
+        .into_iter()
+        .enumerate()
+    {
+        for case in [
+            GemmCase::dense(m, n, k, 400 + i as u64),
+            GemmCase::bf16(m, n, k, 410 + i as u64),
+        ] {
+            run_gemm::<R, F>(client, &case, false).unwrap().assert_passed();
+        }
+    }
+    let rows = vec![70, 0, 3, 65, 1];
+    let grouped = GemmCase::grouped(rows.clone(), 150, 128, 420);
+    run_gemm::<R, F>(client, &grouped, false).unwrap().assert_passed();
+    let grouped_bf16 = GemmCase {
+        format: WeightFormat::Bf16,
+        ..GemmCase::grouped(rows, 150, 128, 421)
+    };
+    run_gemm::<R, F>(client, &grouped_bf16, false).unwrap().assert_passed();
+}
+
 /// Decode-sized shapes from Kimi-K2, pinned.
 fn kimi_decode_shapes<R: Runtime>(client: &ComputeClient<R>) {
     for (m, n, k) in [(1, 512, 7168), (3, 7168, 256), (16, 96, 2048)] {
@@ -236,6 +261,7 @@ kiln_backends::backend_tests! {
     bf16_weights [f32, bf16],
     kimi_decode_shapes,
     skinny_decode_shapes_match_the_reference [f32, bf16],
+    tiled_shapes_match_the_reference [f32, bf16],
     bad_shapes_are_typed_errors,
     unsupported_dtype_is_a_typed_error,
 }

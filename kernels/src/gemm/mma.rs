@@ -1,0 +1,272 @@
+//! The tensor-core GEMM (CUDA `mma.sync m16n8k16`, bf16 operands, f32 accumulators) for
+//! `M > 16`: dense projections at batch > 16, prefill, and the grouped MoE GEMM.
+//!
+//! A cube computes a [`BM`] x [`BN`] tile of `C` (tokens x weight rows) with 8 warps, each a
+//! 32 x 32 sub-tile (2 x 4 MMA tiles). Per step of [`BK`] along K the cube copies its
+//! activation rows into shared memory as bf16 and decodes its weight rows there (NVFP4:
+//! `e2m1 * block scale`, which has at most 6 significant bits and is exact in bf16; the f32
+//! global scale multiplies the accumulator once at the end), then each warp runs 4 k-steps
+//! of 8 MMAs from `ldmatrix` fragments. The grid's fastest axis walks M, so the cubes that
+//! share a weight tile run together and all but the first read it from L2.
+//!
+//! Grouped (MoE): rows of `A` are sorted by expert, `expert_offsets` on the device. The grid
+//! has `ceil(M / BM) + experts` M-slots (each expert adds at most one partial tile); a cube
+//! finds its (expert, tile) with a prefix sum of the experts' tile counts over its 256
+//! units, so no expert's tile mixes rows of two experts and no host sync is needed.
+//!
+//! Rounding: activations are rounded to bf16 (weights are exact in bf16); the conformance
+//! tolerance adds one bf16 rounding per product (`Tolerance::with_operands`).
+use cubecl::prelude::*;
+use half::bf16;
+
+use super::WeightFormat;
+use crate::formats::{e2m1_to_f32, e4m3_to_f32};
+
+/// Tile rows (tokens).
+pub const BM: u32 = 64;
+/// Tile columns (weight rows).
+pub const BN: u32 = 128;
+/// K per shared-memory step.
+pub const BK: u32 = 64;
+/// 8 warps.
+pub const UNITS: u32 = 256;
+/// Shared-memory row stride in 16-byte vectors: 8 per row of BK bf16, plus one so the 8
+/// rows an `ldmatrix` reads fall in distinct bank groups.
+const STRIDE: usize = 9;
+
+type Frag = Vector<bf16, Const<2>>;
+type Acc = Vector<f32, Const<2>>;
+type Bf16x8 = Vector<bf16, Const<8>>;
+
+/// Grid: (M-slots, ceil(n / BN)); [`UNITS`] units. Trusts `k % BK == 0`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn mma_gemm_kernel<F: Float>(
+    a: &Array<Vector<F, Const<4>>>,
+    codes: &Array<Vector<u32, Const<4>>>,
+    bf16_rows: &Array<Bf16x8>,
+    scales: &Array<u32>,
+    global_scales: &Array<u32>,
+    expert_offsets: &Array<u32>,
+    out: &mut Array<f32>,
+    m: u32,
+    n: u32,
+    k: u32,
+    experts: u32,
+    #[comptime] grouped: bool,
+    #[comptime] format: WeightFormat,
+) {
+    let unit = UNIT_POS_X as usize;
+    let warp = unit / 32;
+    let lane = unit % 32;
+    let g = lane / 4;
+    let t = lane % 4;
+    let n = n as usize;
+    let k = k as usize;
+    let n0 = CUBE_POS_Y as usize * 128;
+
+    // This cube's expert and rows.
+    let mut slot = SharedMemory::<u32>::new(3usize);
+    if grouped {
+        find_tile(expert_offsets, experts as usize, CUBE_POS_X as usize, &mut slot, unit);
+    } else if unit == 0 {
+        slot[0] = 0;
+        slot[1] = CUBE_POS_X * 64;
+        slot[2] = min(m, CUBE_POS_X * 64 + 64);
+    }
+    sync_cube();
+    let expert = slot[0] as usize;
+    let row_begin = slot[1] as usize;
+    let row_end = slot[2] as usize;
+
+    if row_begin < row_end {
+        let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+        let mut a_s = SharedMemory::<Bf16x8>::new_aligned(64 * STRIDE, 16usize);
+        let mut w_s = SharedMemory::<Bf16x8>::new_aligned(128 * STRIDE, 16usize);
+        let wm = warp / 4;
+        let wn = warp % 4;
+        let mut acc = Array::<Acc>::new(16usize);
+        #[unroll]
+        for i in 0..16usize {
+            acc[i] = Acc::new(0.0);
+        }
+        // The rows this unit copies: activations row `unit / 4` (16 values at
+        // `(unit % 4) * 16`), weights row `unit / 2` (32 values at `(unit % 2) * 32`).
+        let a_row = min(row_begin + unit / 4, row_end - 1);
+        let w_local = unit / 2;
+        let w_row = expert * n + min(n0 + w_local, n - 1);
+
+        for kt in 0..k / 64 {
+            // Activations: 4 vectors of 4 -> 2 vectors of 8 bf16.
+            let a_at = (a_row * k + kt * 64 + (unit % 4) * 16) / 4;
+            #[unroll]
+            for h in 0..2usize {
+                let lo = a[a_at + h * 2];
+                let hi = a[a_at + h * 2 + 1];
+                let mut v = Bf16x8::empty();
+                #[unroll]
+                for e in 0..4usize {
+                    v[e] = bf16::cast_from(lo[e]);
+                    v[e + 4] = bf16::cast_from(hi[e]);
+                }
+                a_s[(unit / 4) * STRIDE + (unit % 4) * 2 + h] = v;
+            }
+            // Weights: 32 values -> 4 vectors of 8 bf16.
+            let part = unit % 2;
+            if comptime!(format == WeightFormat::Nvfp4) {
+                let word4 = codes[w_row * (k / 32) + kt * 2 + part];
+                let s_word = scales[(w_row * (k / 16) + kt * 4 + part * 2) / 4];
+                let s_shift = (((kt * 4 + part * 2) % 4) * 8) as u32;
+                let s0 = e4m3_to_f32((s_word >> s_shift) & 0xff);
+                let s1 = e4m3_to_f32((s_word >> (s_shift + 8)) & 0xff);
+                #[unroll]
+                for j in 0..4usize {
+                    let word = word4[j];
+                    let scale = select(j < 2, s0, s1);
+                    let mut v = Bf16x8::empty();
+                    #[unroll]
+                    for i in 0..8usize {
+                        v[i] = bf16::cast_from(e2m1_to_f32(word >> (4 * i as u32)) * scale);
+                    }
+                    w_s[w_local * STRIDE + part * 4 + j] = v;
+                }
+            } else {
+                #[unroll]
+                for j in 0..4usize {
+                    w_s[w_local * STRIDE + part * 4 + j] = bf16_rows[w_row * (k / 8) + kt * 8 + part * 4 + j];
+                }
+            }
+            sync_cube();
+
+            #[unroll]
+            for ks in 0..4usize {
+                let mut af = Array::<Frag>::new(8usize);
+                #[unroll]
+                for mt in 0..2usize {
+                    let r = wm * 32 + mt * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+                    let at = r * STRIDE + ks * 2 + lane / 16;
+                    let f = mma.load_matrix::<Bf16x8, Const<2>>(
+                        &a_s.slice(at, at + 1),
+                        cmma::MatrixIdent::A,
+                        4usize,
+                        false,
+                    );
+                    #[unroll]
+                    for i in 0..4usize {
+                        af[mt * 4 + i] = f[i];
+                    }
+                }
+                #[unroll]
+                for np in 0..2usize {
+                    let r = wn * 32 + np * 16 + (lane / 16) * 8 + lane % 8;
+                    let at = r * STRIDE + ks * 2 + (lane / 8) % 2;
+                    let bf = mma.load_matrix::<Bf16x8, Const<2>>(
+                        &w_s.slice(at, at + 1),
+                        cmma::MatrixIdent::B,
+                        4usize,
+                        false,
+                    );
+                    #[unroll]
+                    for half in 0..2usize {
+                        let mut b = Array::<Frag>::new(2usize);
+                        b[0] = bf[half * 2];
+                        b[1] = bf[half * 2 + 1];
+                        #[unroll]
+                        for mt in 0..2usize {
+                            let mut a_frag = Array::<Frag>::new(4usize);
+                            #[unroll]
+                            for i in 0..4usize {
+                                a_frag[i] = af[mt * 4 + i];
+                            }
+                            let at = (mt * 4 + np * 2 + half) * 2;
+                            let mut c = Array::<Acc>::new(2usize);
+                            c[0] = acc[at];
+                            c[1] = acc[at + 1];
+                            mma.execute_inplace(&a_frag, &b, &mut c);
+                            acc[at] = c[0];
+                            acc[at + 1] = c[1];
+                        }
+                    }
+                }
+            }
+            sync_cube();
+        }
+
+        let mut global = 1.0f32;
+        if comptime!(format == WeightFormat::Nvfp4) {
+            global = f32::reinterpret(global_scales[expert]);
+        }
+        #[unroll]
+        for mt in 0..2usize {
+            #[unroll]
+            for nt in 0..4usize {
+                #[unroll]
+                for half in 0..2usize {
+                    let row = row_begin + wm * 32 + mt * 16 + g + half * 8;
+                    let col = n0 + wn * 32 + nt * 8 + 2 * t;
+                    let v = acc[(mt * 4 + nt) * 2 + half];
+                    if row < row_end {
+                        if col < n {
+                            out[row * n + col] = v[0] * global;
+                        }
+                        if col + 1 < n {
+                            out[row * n + col + 1] = v[1] * global;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Grouped: finds M-slot `tile`'s expert and rows (`slot` = expert, first row, end row;
+/// an empty range when `tile` is past the last expert's tiles). Expert `e` has
+/// `ceil(count_e / 64)` tiles; unit `u` sums the counts of experts `u * per .. (u + 1) * per`,
+/// a prefix sum over the units (plane sums, then the 8 warps' totals) gives where its
+/// experts' tiles start, and the unit whose range holds `tile` writes the answer.
+#[cube]
+fn find_tile(
+    offsets: &Array<u32>,
+    experts: usize,
+    tile: usize,
+    slot: &mut SharedMemory<u32>,
+    unit: usize,
+) {
+    let mut warp_totals = SharedMemory::<u32>::new(8usize);
+    let per = experts.div_ceil(256);
+    let first = min(unit * per, experts);
+    let last = min(first + per, experts);
+    let mut mine = 0u32;
+    for e in first..last {
+        mine += (offsets[e + 1] - offsets[e]).div_ceil(64);
+    }
+    let before_in_warp = plane_exclusive_sum(mine);
+    if unit % 32 == 31 {
+        warp_totals[unit / 32] = before_in_warp + mine;
+    }
+    if unit == 0 {
+        slot[0] = 0;
+        slot[1] = 0;
+        slot[2] = 0;
+    }
+    sync_cube();
+    let mut start = before_in_warp;
+    for w in 0..unit / 32 {
+        start += warp_totals[w];
+    }
+    let t = tile as u32;
+    if t >= start && t < start + mine {
+        let mut rest = t - start;
+        for e in first..last {
+            let begin = offsets[e];
+            let end = offsets[e + 1];
+            let tiles = (end - begin).div_ceil(64);
+            if rest < tiles {
+                slot[0] = e as u32;
+                slot[1] = begin + rest * 64;
+                slot[2] = min(end, begin + rest * 64 + 64);
+            }
+            rest = select(rest < tiles, 1u32 << 30, rest - tiles);
+        }
+    }
+}
