@@ -21,6 +21,9 @@ test_exe() { # package, test target -> path of the built test executable
 bench() {
   export LD_LIBRARY_PATH="${CUDA_HOME:-/usr/local/cuda}/lib64:${LD_LIBRARY_PATH:-}"
   .gpu/gemm_peer "$out/gemm_peer.json" 2>&1 | tee "$out/gemm_peer.log"
+  .gpu/gemm_decode "$out/gemm_decode.json" 2>&1 | tee "$out/gemm_decode.log"
+  .gpu/gemm_decode "$out/gemm_tiled.json" 64,256,4096,16384 2>&1 | tee "$out/gemm_tiled.log"
+  .gpu/moe_grouped "$out/moe_grouped.json" 2>&1 | tee "$out/moe_grouped.log"
   .gpu/mla_decode "$out/mla_decode.json" 2>&1 | tee "$out/mla_decode.log"
   .gpu/tree_verify "$out/tree_verify.json" 2>&1 | tee "$out/tree_verify.log"
   .gpu/layer_decode --backend cuda --json "$out/layer_decode.json" 2>&1 | tee "$out/layer_decode.log"

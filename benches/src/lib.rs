@@ -5,6 +5,16 @@ use kiln_reference::model::ModelConfig;
 pub mod device_time;
 use kiln_reference::rope::YarnConfig;
 
+/// Word `i` of a buffer filled on the device by `kiln_kernels::fill::fill_random_bits(seed,
+/// and_mask, or_mask)`, recomputed on the host (the same 32-bit hash), so a benchmark can
+/// check results over gigabytes of device-generated operands without reading them back.
+pub fn fill_word(i: u32, seed: u32, and_mask: u32, or_mask: u32) -> u32 {
+    let x = i.wrapping_mul(2654435769).wrapping_add(seed);
+    let state = x.wrapping_mul(747796405).wrapping_add(2891336453);
+    let w = ((state >> ((state >> 28) + 4)) ^ state).wrapping_mul(277803737);
+    (((w >> 22) ^ w) & and_mask) | or_mask
+}
+
 /// The copy bandwidth measured on the H200 (read + write), the floor's denominator.
 pub const HBM_BYTES_PER_S: f64 = 4.30e12;
 

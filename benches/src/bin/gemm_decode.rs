@@ -1,8 +1,10 @@
-//! kiln's decode GEMM (`C[M, N] = A[M, K] W[N, K]^T`, M = 1, 4, 16, bf16 activations) with
-//! NVFP4 and bf16 weights, against cuBLAS's bf16 GEMM on the same shapes, on CUDA.
+//! kiln's GEMM (`C[M, N] = A[M, K] W[N, K]^T`, bf16 activations) with NVFP4 and bf16
+//! weights, against cuBLAS's bf16 GEMM on the same shapes, on CUDA. Usage:
+//! `gemm_decode OUT.json [M,M,...]` (default M = 1, 4, 16: decode; 64, 256: mid;
+//! 4096, 16384: prefill).
 //!
 //! For each (N, K, M) it first checks kiln's result against the reference on a sample of
-//! output columns (all M rows, 64-bit sums, the f32 accumulation bound), then times:
+//! output columns and rows (64-bit sums, the f32 accumulation bound), then times:
 //! - kiln: `launches` GEMMs queued behind a ~3 ms spin kernel, minus the spin alone
 //!   (`kiln_benches::device_time`); the host's enqueue time is checked to end before the spin.
 //! - cuBLAS: CUDA events around `launches` GEMMs queued behind a 2 GiB memset.
@@ -44,7 +46,9 @@ mod decode {
 
     /// (N, K): Kimi-K2/DeepSeek-V3 decode projections.
     const SHAPES: [(usize, usize); 4] = [(4096, 7168), (7168, 2048), (36864, 7168), (7168, 18432)];
-    const MS: [usize; 3] = [1, 4, 16];
+    const DEFAULT_MS: [usize; 3] = [1, 4, 16];
+    /// Output rows checked against the reference per (shape, M), at most.
+    const SAMPLE_ROWS: usize = 24;
     /// Output columns checked against the reference per (shape, M).
     const SAMPLE_COLS: usize = 97;
 
@@ -58,8 +62,10 @@ mod decode {
         kiln_us: f64,
         kiln_tbps: f64,
         kiln_frac_of_copy: f64,
+        kiln_tflops: f64,
         cublas_bf16_us: f64,
         cublas_bf16_tbps: f64,
+        cublas_bf16_tflops: f64,
         speedup_over_cublas_bf16: f64,
         launches: usize,
         enqueue_us: f64,
@@ -174,11 +180,18 @@ mod decode {
         n: usize,
         k: usize,
     ) -> anyhow::Result<()> {
-        let tol = Tolerance::dot(k, DType::F32, DType::F32);
+        // Activations are bf16 already, so no kernel rounds an operand; + 1 term for the
+        // NVFP4 global scale the tensor-core path applies to the sum.
+        let tol = Tolerance::dot(k + 1, DType::F32, DType::F32);
         let cols = (0..SAMPLE_COLS).map(|i| i * (n - 1) / (SAMPLE_COLS - 1));
+        let rows: Vec<usize> = if m <= SAMPLE_ROWS {
+            (0..m).collect()
+        } else {
+            (0..SAMPLE_ROWS).map(|i| i * (m - 1) / (SAMPLE_ROWS - 1)).collect()
+        };
         for col in cols {
             let w_row: Vec<f64> = (0..k).map(|kk| w.value(col, kk, k)).collect();
-            for row in 0..m {
+            for &row in &rows {
                 let (mut exact, mut mag) = (0.0f64, 0.0f64);
                 for (kk, wv) in w_row.iter().enumerate() {
                     let p = a[row * k + kk].to_f64() * wv;
@@ -236,6 +249,10 @@ mod decode {
         let mut blocker = stream.alloc_zeros::<u8>(2 << 30)?;
         let timer = SpinTimer::new(&client, Duration::from_millis(3));
         let mut rng = Rng::new(2026_12_03);
+        let ms: Vec<usize> = match std::env::args().nth(2) {
+            Some(list) => list.split(',').map(str::parse).collect::<Result<_, _>>()?,
+            None => DEFAULT_MS.to_vec(),
+        };
         let mut rows = Vec::new();
         for (n, k) in SHAPES {
             // cuBLAS's bf16 weights, rotated like kiln's.
@@ -248,8 +265,8 @@ mod decode {
                 .collect::<Result<Vec<_>, _>>()?;
             drop(bits);
             let mut cublas_us = std::collections::HashMap::new();
-            for m in MS {
-                let launches = 100;
+            for &m in &ms {
+                let launches = ((0.02 / flops_s(m, n, k, 600e12)).ceil() as usize).clamp(3, 100);
                 cublas_us.insert(
                     m,
                     time_cublas(&stream, &blas, &mut blocker, &theirs, m, n, k, launches)? * 1e6,
@@ -258,7 +275,7 @@ mod decode {
             drop(theirs);
             for nvfp4 in [true, false] {
                 let (w, w_bytes) = make_weights(&client, &mut rng, nvfp4, n, k);
-                for m in MS {
+                for &m in &ms {
                     let a: Vec<bf16> = (0..m * k)
                         .map(|_| bf16::from_f32(rng.uniform_f32() * 4.0 - 2.0))
                         .collect();
@@ -268,8 +285,8 @@ mod decode {
                     validate(&w, &a, &out.read(&client), m, n, k)?;
                     let bytes = w_bytes + m * k * 2;
                     // Enough launches for ~600 us of device work, few enough to enqueue within the spin.
-                    let est_s = bytes as f64 / 3.0e12;
-                    let launches = ((600e-6 / est_s).ceil() as usize).clamp(10, 200);
+                    let est_s = (bytes as f64 / 3.0e12).max(flops_s(m, n, k, 200e12));
+                    let launches = ((600e-6 / est_s).ceil() as usize).clamp(2, 200);
                     for i in 0..w.copies() {
                         w.launch(&client, &a_dev, m, &out, i);
                     }
@@ -291,8 +308,10 @@ mod decode {
                         kiln_us,
                         kiln_tbps: tbps,
                         kiln_frac_of_copy: tbps * 1e12 / HBM_BYTES_PER_S,
+                        kiln_tflops: 2.0 * (m * n * k) as f64 / per_launch / 1e12,
                         cublas_bf16_us: cu,
                         cublas_bf16_tbps: (n * k * 2 + m * k * 2) as f64 / cu / 1e6,
+                        cublas_bf16_tflops: 2.0 * (m * n * k) as f64 / cu / 1e6,
                         speedup_over_cublas_bf16: cu / kiln_us,
                         launches,
                         enqueue_us: enqueue * 1e6,
@@ -312,14 +331,19 @@ mod decode {
         Ok(())
     }
 
+    /// Seconds for the GEMM's FLOPs at `rate` FLOP/s (a launch-count estimate).
+    fn flops_s(m: usize, n: usize, k: usize, rate: f64) -> f64 {
+        2.0 * (m * n * k) as f64 / rate
+    }
+
     fn print_table(rows: &[Row]) {
         println!(
-            "{:<6} {:>3} {:>6} {:>6} {:>9} {:>8} {:>6} {:>10} {:>8} {:>8}",
-            "W", "M", "N", "K", "kiln us", "TB/s", "%copy", "cuBLAS us", "TB/s", "speedup"
+            "{:<6} {:>5} {:>6} {:>6} {:>10} {:>6} {:>6} {:>7} {:>10} {:>6} {:>7} {:>8}",
+            "W", "M", "N", "K", "kiln us", "TB/s", "%copy", "TFLOP/s", "cuBLAS us", "TB/s", "TFLOP/s", "speedup"
         );
         for r in rows {
             println!(
-                "{:<6} {:>3} {:>6} {:>6} {:>9.2} {:>8.2} {:>6.1} {:>10.2} {:>8.2} {:>8.2}",
+                "{:<6} {:>5} {:>6} {:>6} {:>10.2} {:>6.2} {:>6.1} {:>7.1} {:>10.2} {:>6.2} {:>7.1} {:>8.2}",
                 r.weights,
                 r.m,
                 r.n,
@@ -327,8 +351,10 @@ mod decode {
                 r.kiln_us,
                 r.kiln_tbps,
                 r.kiln_frac_of_copy * 100.0,
+                r.kiln_tflops,
                 r.cublas_bf16_us,
                 r.cublas_bf16_tbps,
+                r.cublas_bf16_tflops,
                 r.speedup_over_cublas_bf16
             );
         }

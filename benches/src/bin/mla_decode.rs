@@ -32,7 +32,7 @@ mod decode {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cubecl::prelude::*;
     use kiln_benches::device_time::{Client, SpinTimer};
-    use kiln_benches::HBM_BYTES_PER_S;
+    use kiln_benches::{fill_word, HBM_BYTES_PER_S};
     use kiln_kernels::fill::fill_random_bits;
     use kiln_kernels::mla::{self, AttnMetadata, KvFormat, PagedKvCache};
     use kiln_kernels::DeviceArray;
@@ -63,21 +63,13 @@ mod decode {
         max_err_over_allowed: f64,
     }
 
-    /// The device fill's hash (kiln_kernels::fill), on the host.
-    fn word(i: u32, (and_mask, or_mask): (u32, u32)) -> u32 {
-        let x = i.wrapping_mul(2654435769).wrapping_add(SEED);
-        let state = x.wrapping_mul(747796405).wrapping_add(2891336453);
-        let w = ((state >> ((state >> 28) + 4)) ^ state).wrapping_mul(277803737);
-        (((w >> 22) ^ w) & and_mask) | or_mask
-    }
-
     /// KV row `row` of the device cache, decoded as the kernel sees it.
     fn host_row(format: KvFormat, row: usize) -> Vec<f32> {
         let words = format.words_per_row();
         let ws: Vec<u32> = (0..words)
             .map(|j| {
                 let masks = if format == KvFormat::Fp8 { FP8_MASKS } else { BF16_MASKS };
-                word((row * words + j) as u32, masks)
+                fill_word((row * words + j) as u32, SEED, masks.0, masks.1)
             })
             .collect();
         match format {

@@ -96,13 +96,23 @@ pub fn mma_gemm_kernel<F: Float>(
         let w_local = unit / 2;
         let w_row = expert * n + min(n0 + w_local, n - 1);
 
-        for kt in 0..k / 64 {
+        // This cube's K steps (a split of them when the grid's z axis splits K). The next
+        // step's raw operands are loaded into registers before this step's MMAs run, so
+        // their latency hides behind the tensor-core work.
+        let steps = k / 64;
+        let kt_begin = steps * CUBE_POS_Z as usize / CUBE_COUNT_Z as usize;
+        let kt_end = steps * (CUBE_POS_Z as usize + 1) / CUBE_COUNT_Z as usize;
+        let part = unit % 2;
+        let mut a_raw = Array::<Vector<F, Const<4>>>::new(4usize);
+        let mut w_raw = Array::<Vector<u32, Const<4>>>::new(4usize);
+        let mut s_raw = 0u32;
+        load_raw(a, codes, bf16_rows, scales, &mut a_raw, &mut w_raw, &mut s_raw, a_row, w_row, k, kt_begin, unit, format);
+        for kt in kt_begin..kt_end {
             // Activations: 4 vectors of 4 -> 2 vectors of 8 bf16.
-            let a_at = (a_row * k + kt * 64 + (unit % 4) * 16) / 4;
             #[unroll]
             for h in 0..2usize {
-                let lo = a[a_at + h * 2];
-                let hi = a[a_at + h * 2 + 1];
+                let lo = a_raw[h * 2];
+                let hi = a_raw[h * 2 + 1];
                 let mut v = Bf16x8::empty();
                 #[unroll]
                 for e in 0..4usize {
@@ -112,13 +122,11 @@ pub fn mma_gemm_kernel<F: Float>(
                 a_s[(unit / 4) * STRIDE + (unit % 4) * 2 + h] = v;
             }
             // Weights: 32 values -> 4 vectors of 8 bf16.
-            let part = unit % 2;
             if comptime!(format == WeightFormat::Nvfp4) {
-                let word4 = codes[w_row * (k / 32) + kt * 2 + part];
-                let s_word = scales[(w_row * (k / 16) + kt * 4 + part * 2) / 4];
                 let s_shift = (((kt * 4 + part * 2) % 4) * 8) as u32;
-                let s0 = e4m3_to_f32((s_word >> s_shift) & 0xff);
-                let s1 = e4m3_to_f32((s_word >> (s_shift + 8)) & 0xff);
+                let s0 = e4m3_to_f32((s_raw >> s_shift) & 0xff);
+                let s1 = e4m3_to_f32((s_raw >> (s_shift + 8)) & 0xff);
+                let word4 = w_raw[0];
                 #[unroll]
                 for j in 0..4usize {
                     let word = word4[j];
@@ -133,10 +141,11 @@ pub fn mma_gemm_kernel<F: Float>(
             } else {
                 #[unroll]
                 for j in 0..4usize {
-                    w_s[w_local * STRIDE + part * 4 + j] = bf16_rows[w_row * (k / 8) + kt * 8 + part * 4 + j];
+                    w_s[w_local * STRIDE + part * 4 + j] = Bf16x8::reinterpret(w_raw[j]);
                 }
             }
             sync_cube();
+            load_raw(a, codes, bf16_rows, scales, &mut a_raw, &mut w_raw, &mut s_raw, a_row, w_row, k, min(kt + 1, kt_end - 1), unit, format);
 
             #[unroll]
             for ks in 0..4usize {
@@ -205,17 +214,68 @@ pub fn mma_gemm_kernel<F: Float>(
                     let row = row_begin + wm * 32 + mt * 16 + g + half * 8;
                     let col = n0 + wn * 32 + nt * 8 + 2 * t;
                     let v = acc[(mt * 4 + nt) * 2 + half];
+                    // With K split, each split writes its own slice of `out` (summed later).
+                    let base = CUBE_POS_Z as usize * m as usize * n + row * n + col;
                     if row < row_end {
                         if col < n {
-                            out[row * n + col] = v[0] * global;
+                            out[base] = v[0] * global;
                         }
                         if col + 1 < n {
-                            out[row * n + col + 1] = v[1] * global;
+                            out[base + 1] = v[1] * global;
                         }
                     }
                 }
             }
         }
+    }
+}
+
+/// This unit's raw operands of K step `kt`: 16 activations (4 vectors), and 32 weights
+/// (NVFP4: one vector of codes and the word holding their 2 block scales; bf16: 4 vectors).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_raw<F: Float>(
+    a: &Array<Vector<F, Const<4>>>,
+    codes: &Array<Vector<u32, Const<4>>>,
+    bf16_rows: &Array<Bf16x8>,
+    scales: &Array<u32>,
+    a_raw: &mut Array<Vector<F, Const<4>>>,
+    w_raw: &mut Array<Vector<u32, Const<4>>>,
+    s_raw: &mut u32,
+    a_row: usize,
+    w_row: usize,
+    k: usize,
+    kt: usize,
+    unit: usize,
+    #[comptime] format: WeightFormat,
+) {
+    let a_at = (a_row * k + kt * 64 + (unit % 4) * 16) / 4;
+    #[unroll]
+    for i in 0..4usize {
+        a_raw[i] = a[a_at + i];
+    }
+    let part = unit % 2;
+    if comptime!(format == WeightFormat::Nvfp4) {
+        w_raw[0] = codes[w_row * (k / 32) + kt * 2 + part];
+        *s_raw = scales[(w_row * (k / 16) + kt * 4 + part * 2) / 4];
+    } else {
+        #[unroll]
+        for j in 0..4usize {
+            w_raw[j] = Vector::<u32, Const<4>>::reinterpret(bf16_rows[w_row * (k / 8) + kt * 8 + part * 4 + j]);
+        }
+    }
+}
+
+/// `out[i] = sum_s parts[s * len + i]`: the splits of a split-K GEMM, 4 values per unit.
+#[cube(launch_unchecked)]
+pub fn sum_splits_kernel(parts: &Array<Vector<f32, Const<4>>>, out: &mut Array<Vector<f32, Const<4>>>, len4: u32, splits: u32) {
+    let i = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize * 256 + UNIT_POS_X as usize;
+    if i < len4 as usize {
+        let mut acc = parts[i];
+        for s in 1..splits as usize {
+            acc += parts[s * len4 as usize + i];
+        }
+        out[i] = acc;
     }
 }
 

@@ -365,12 +365,24 @@ fn launch_mma<R: Runtime, F: Float + CubeElement>(
         Operand::Bf16(w) => (&w.data, &w.data, w.data.arg(), WeightFormat::Bf16, w.experts, w.n, w.k),
     };
     let m_tiles = (m as u32).div_ceil(mma::BM) + if expert_offsets.is_some() { experts as u32 } else { 0 };
+    let n_tiles = (n as u32).div_ceil(mma::BN);
+    // Dense GEMMs with too few tiles to fill the SMs split K (>= 8 steps per split); the
+    // splits write `splits` slices of a scratch buffer that one more launch sums (no
+    // atomics: the result does not depend on the order the splits finish).
+    let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(1);
+    let splits = if expert_offsets.is_some() || n % 4 != 0 {
+        1
+    } else {
+        (2 * sms).div_ceil(m_tiles * n_tiles).min(k as u32 / mma::BK / 8).max(1)
+    };
+    let scratch = (splits > 1).then(|| DeviceArray::<f32>::uninit(client, splits as usize * m * n));
     let offsets = expert_offsets.unwrap_or(data);
-    // SAFETY: validated shapes; the weight words bind every slot the format does not read.
+    // SAFETY: validated shapes; the weight words bind every slot the format does not read;
+    // `m * n % 4 == 0` when splitting (n % 4 == 0).
     unsafe {
         mma::mma_gemm_kernel::launch_unchecked::<F, R>(
             client,
-            CubeCount::Static(m_tiles, (n as u32).div_ceil(mma::BN), 1),
+            CubeCount::Static(m_tiles, n_tiles, splits),
             CubeDim::new_1d(mma::UNITS),
             a.arg(),
             data.arg(),
@@ -378,14 +390,28 @@ fn launch_mma<R: Runtime, F: Float + CubeElement>(
             scales.arg(),
             globals,
             offsets.arg(),
-            out.arg(),
+            scratch.as_ref().unwrap_or(out).arg(),
             m as u32,
             n as u32,
             k as u32,
             experts as u32,
             expert_offsets.is_some(),
             format,
-        )
+        );
+        if let Some(scratch) = &scratch {
+            let len4 = (m * n / 4) as u32;
+            let cubes = len4.div_ceil(256);
+            let x = cubes.min(65_535);
+            mma::sum_splits_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(x, cubes.div_ceil(x), 1),
+                CubeDim::new_1d(256),
+                scratch.arg(),
+                out.arg(),
+                len4,
+                splits,
+            );
+        }
     }
 }
 

@@ -75,9 +75,10 @@ fn bf16_weights<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
 
 /// Shapes for the tiled kernel (CUDA tensor cores; the portable kernel elsewhere): M past
 /// the skinny limit with partial 64-row tiles, N with a partial 128-column tile, K of one and
-/// of three 64-steps, and experts with several tiles, a partial one and none.
+/// of three 64-steps, K split over cubes (few tiles, 16+ steps), and experts with several
+/// tiles, a partial one and none.
 fn tiled_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
-    for (i, (m, n, k)) in [(17, 21, 64), (64, 128, 192), (65, 200, 64), (130, 37, 128)]
+    for (i, (m, n, k)) in [(17, 21, 64), (64, 128, 192), (65, 200, 64), (130, 37, 128), (20, 96, 1088)]
         .into_iter()
         .enumerate()
     {

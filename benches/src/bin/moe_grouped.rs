@@ -1,0 +1,191 @@
+//! kiln's grouped NVFP4 MoE GEMM at Kimi K2's expert shapes (384 experts, top-8; gate+up
+//! `[4096, 7168]` and down `[7168, 2048]` per expert) for 1, 8, 32, 128 and 1024 tokens, on
+//! CUDA, against the bandwidth floor over the experts the routing actually touches.
+//!
+//! Weights are generated on the device (`fill_random_bits`: any E2M1 nibble, E4M3 block
+//! scales with exponents 4..7, global scale 2^-8); each token picks 8 distinct experts
+//! uniformly at random (seeded); rows are sorted by expert and the offsets uploaded. Before
+//! timing, 64 sampled outputs (row, column) are checked against 64-bit sums of the exact
+//! operands, the weights recomputed on the host from the fill's hash. Timing:
+//! `kiln_benches::device_time`. Floor bytes = touched experts x (codes + block scales) +
+//! activations; GB/s and % of the 4.30 TB/s copy ceiling; the target is >= 75%.
+//! Prints a table, writes JSON to the first argument.
+
+#[cfg(feature = "cuda")]
+fn main() -> anyhow::Result<()> {
+    moe::run()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!("moe_grouped times the CUDA kernels: build with --features cuda");
+    std::process::exit(2);
+}
+
+#[cfg(feature = "cuda")]
+mod moe {
+    use std::collections::BTreeSet;
+    use std::time::Duration;
+
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+    use cubecl::prelude::*;
+    use half::bf16;
+    use kiln_benches::device_time::{Client, SpinTimer};
+    use kiln_benches::{fill_word, HBM_BYTES_PER_S};
+    use kiln_kernels::fill::fill_random_bits;
+    use kiln_kernels::gemm::{nvfp4_grouped_gemm, Nvfp4Weights};
+    use kiln_kernels::DeviceArray;
+    use kiln_reference::data::Rng;
+    use kiln_reference::formats::{e2m1_decode, e4m3_decode};
+    use kiln_reference::tolerance::{DType, Tolerance};
+
+    const EXPERTS: usize = 384;
+    const TOP_K: usize = 8;
+    const TOKENS: [usize; 5] = [1, 8, 32, 128, 1024];
+    /// (name, N, K) of one expert's projections.
+    const SHAPES: [(&str, usize, usize); 2] = [("gate_up", 4096, 7168), ("down", 7168, 2048)];
+    const CODE_SEED: u32 = 0x6d6f_6501;
+    const SCALE_SEED: u32 = 0x6d6f_6502;
+    /// E4M3 scale bytes 0x20..0x3f: exponents 4..7, any mantissa.
+    const SCALE_MASKS: (u32, u32) = (0x1f1f_1f1f, 0x2020_2020);
+    const GLOBAL: f32 = 1.0 / 256.0;
+
+    #[derive(serde::Serialize)]
+    struct Point {
+        projection: &'static str,
+        tokens: usize,
+        rows: usize,
+        experts_touched: usize,
+        us: f64,
+        floor_us: f64,
+        gbps: f64,
+        frac_of_copy: f64,
+    }
+
+    /// Weight `(row, col)` of expert `e` as the kernel decodes it.
+    fn weight(e: usize, row: usize, col: usize, n: usize, k: usize) -> f64 {
+        let r = e * n + row;
+        let word = fill_word(((r * k + col) / 8) as u32, CODE_SEED, u32::MAX, 0);
+        let code = (word >> (4 * (col % 8))) & 0xf;
+        let s_idx = r * (k / 16) + col / 16;
+        let s_word = fill_word((s_idx / 4) as u32, SCALE_SEED, SCALE_MASKS.0, SCALE_MASKS.1);
+        let scale = (s_word >> (8 * (s_idx % 4))) & 0xff;
+        e2m1_decode(code as u8) as f64 * e4m3_decode(scale as u8) as f64 * GLOBAL as f64
+    }
+
+    fn weights(client: &Client, n: usize, k: usize) -> Nvfp4Weights {
+        let packed = DeviceArray::<u32>::uninit(client, EXPERTS * n * k / 8);
+        let scales = DeviceArray::<u32>::uninit(client, EXPERTS * n * k / 64);
+        fill_random_bits(client, &packed, CODE_SEED, u32::MAX, 0).expect("fits");
+        fill_random_bits(client, &scales, SCALE_SEED, SCALE_MASKS.0, SCALE_MASKS.1).expect("fits");
+        Nvfp4Weights {
+            packed,
+            scales,
+            global_scales: DeviceArray::upload(client, &[GLOBAL; EXPERTS]),
+            experts: EXPERTS,
+            n,
+            k,
+        }
+    }
+
+    /// Each token's 8 distinct experts; rows sorted by expert: (row experts, offsets).
+    fn route(rng: &mut Rng, tokens: usize) -> (Vec<usize>, Vec<u32>) {
+        let mut row_experts = Vec::with_capacity(tokens * TOP_K);
+        for _ in 0..tokens {
+            let mut picked = BTreeSet::new();
+            while picked.len() < TOP_K {
+                picked.insert((rng.next_u64() % EXPERTS as u64) as usize);
+            }
+            row_experts.extend(picked);
+        }
+        row_experts.sort_unstable();
+        let mut offsets = vec![0u32; EXPERTS + 1];
+        for &e in &row_experts {
+            offsets[e + 1] += 1;
+        }
+        for e in 0..EXPERTS {
+            offsets[e + 1] += offsets[e];
+        }
+        (row_experts, offsets)
+    }
+
+    pub fn run() -> anyhow::Result<()> {
+        let client = CudaRuntime::client(&CudaDevice::default());
+        let timer = SpinTimer::new(&client, Duration::from_millis(3));
+        let mut rng = Rng::new(2026_12_03);
+        let mut points = Vec::new();
+        for (name, n, k) in SHAPES {
+            let w = weights(&client, n, k);
+            for tokens in TOKENS {
+                let (row_experts, offsets) = route(&mut rng, tokens);
+                let m = row_experts.len();
+                let a: Vec<bf16> = (0..m * k)
+                    .map(|_| bf16::from_f32(rng.uniform_f32() * 4.0 - 2.0))
+                    .collect();
+                let a_dev = DeviceArray::upload(&client, &a);
+                let off_dev = DeviceArray::upload(&client, &offsets);
+                let out = DeviceArray::filled(&client, m * n, f32::NAN);
+                let launch = || {
+                    nvfp4_grouped_gemm(&client, &a_dev, m, &w, &off_dev, &out).expect("valid shapes")
+                };
+                launch();
+                let got = out.read(&client);
+                let tol = Tolerance::dot(k + 1, DType::F32, DType::F32);
+                for i in 0..64 {
+                    let (row, col) = ((i * 7919) % m, (i * 104_729) % n);
+                    let e = row_experts[row];
+                    let (mut exact, mut mag) = (0.0f64, 0.0f64);
+                    for kk in 0..k {
+                        let p = a[row * k + kk].to_f64() * weight(e, col, kk, n, k);
+                        exact += p;
+                        mag += p.abs();
+                    }
+                    let g = got[row * n + col] as f64;
+                    anyhow::ensure!(
+                        (g - exact).abs() <= tol.allowed(exact, mag),
+                        "{name} tokens={tokens}: out[{row}, {col}] = {g}, reference {exact}"
+                    );
+                }
+                let touched: BTreeSet<usize> = row_experts.iter().copied().collect();
+                let bytes = touched.len() * (n * k / 2 + n * k / 16) + m * k * 2;
+                let est = bytes as f64 / 2.0e12;
+                let launches = ((1e-3 / est).ceil() as usize).clamp(2, 100);
+                let timed = timer.time(launches, |_| launch());
+                anyhow::ensure!(timed.enqueue < timed.spin, "enqueue outlasted the spin");
+                let s = timed.per_launch;
+                points.push(Point {
+                    projection: name,
+                    tokens,
+                    rows: m,
+                    experts_touched: touched.len(),
+                    us: s * 1e6,
+                    floor_us: bytes as f64 / HBM_BYTES_PER_S * 1e6,
+                    gbps: bytes as f64 / s / 1e9,
+                    frac_of_copy: bytes as f64 / s / HBM_BYTES_PER_S,
+                });
+                eprintln!("done {name} tokens={tokens}: {:.1} us", s * 1e6);
+            }
+        }
+        println!(
+            "{:<8} {:>6} {:>6} {:>8} {:>10} {:>9} {:>8} {:>6}",
+            "proj", "tokens", "rows", "experts", "us", "floor us", "GB/s", "%copy"
+        );
+        for p in &points {
+            println!(
+                "{:<8} {:>6} {:>6} {:>8} {:>10.1} {:>9.1} {:>8.0} {:>6.1}",
+                p.projection,
+                p.tokens,
+                p.rows,
+                p.experts_touched,
+                p.us,
+                p.floor_us,
+                p.gbps,
+                p.frac_of_copy * 100.0
+            );
+        }
+        if let Some(path) = std::env::args().nth(1) {
+            std::fs::write(path, serde_json::to_string_pretty(&points)?)?;
+        }
+        Ok(())
+    }
+}
