@@ -9,7 +9,8 @@
 //! by the 4 row groups of 64 heads comes from L2 after the first.
 //!
 //! Per chunk of [`CHUNK`] KV positions (4 warps, 128 units):
-//! 1. the cube copies the chunk into shared memory as bf16 (fp8 rows are decoded here);
+//! 1. the chunk's rows arrive in shared memory by cp.async, issued one chunk ahead (fp8
+//!    rows into staging buffers, decoded to bf16 once they land);
 //! 2. each warp computes the 16 x 32 scores over its quarter of the 576 dimensions, its
 //!    query fragments held in registers for the whole kernel, and stores them;
 //! 3. 8 units per row sum the quarters, mask causally, and run the online softmax
@@ -29,7 +30,7 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 use half::bf16;
 
 use super::KvFormat;
-use crate::formats::{bf16_to_f32, byte_at, e4m3_to_f32, half_at};
+use crate::formats::e4m3_to_f32;
 
 /// Query rows per cube (the MMA's M).
 pub const ROWS: u32 = 16;
@@ -41,6 +42,10 @@ pub const UNITS: u32 = 128;
 const ROW_VECS: usize = 72;
 /// 16-byte vectors each unit copies per chunk: 32 rows x 72 / 128 units.
 const LOADS_PER_UNIT: usize = 18;
+/// 16-byte vectors of an fp8 row (656 bytes).
+const FP8_ROW_VECS: usize = 41;
+/// fp8 vectors each unit copies per chunk: 32 rows x 41 / 128 units, rounded up.
+const FP8_LOADS_PER_UNIT: usize = 11;
 /// Shared-memory stride of a KV row in 16-byte vectors: odd, so the 8 rows an `ldmatrix`
 /// reads fall in distinct bank groups.
 const KV_STRIDE: usize = 73;
@@ -72,7 +77,7 @@ type Acc = Vector<f32, Const<2>>;
 pub fn mma_attention_kernel(
     q: &Array<f32>,
     kv_vecs: &Array<Vector<bf16, Const<8>>>,
-    kv_words: &Array<u32>,
+    kv_raw: &Array<Vector<u32, Const<4>>>,
     block_table: &Array<u32>,
     cu_q_lens: &Array<u32>,
     kv_lens: &Array<u32>,
@@ -111,7 +116,14 @@ pub fn mma_attention_kernel(
         let table = b * max_blocks as usize;
 
         let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
-        let mut kvs = SharedMemory::<Vector<bf16, Const<8>>>::new_aligned(2 * 32 * KV_STRIDE, 16usize);
+        let mut kvs = SharedMemory::<Vector<bf16, Const<8>>>::new_aligned(
+            comptime!(if cfg.format == KvFormat::Fp8 { 1 } else { 2 }) * 32 * KV_STRIDE,
+            16usize,
+        );
+        let mut staging = SharedMemory::<Vector<u32, Const<4>>>::new_aligned(
+            comptime!(if cfg.format == KvFormat::Fp8 { 2 * 32 * FP8_ROW_VECS } else { 1 }),
+            16usize,
+        );
         let mut ss = SharedMemory::<f32>::new(4 * 16 * S_STRIDE);
         let mut ps = SharedMemory::<bf16>::new_aligned(16 * P_STRIDE, 16usize);
         let mut alpha_s = SharedMemory::<f32>::new(16usize);
@@ -150,45 +162,38 @@ pub fn mma_attention_kernel(
         let mut m_run = f32::new(NEG_BIG);
         let mut l_run = 0.0f32;
 
-        // bf16 rows are copied with cp.async into two buffers: the next chunk is in flight
-        // while this one is computed. fp8 rows are decoded through registers, one buffer.
-        let pipelined = comptime!(cfg.format == KvFormat::Bf16);
+        // Rows are copied with cp.async into two buffers, so the next chunk is in flight
+        // while this one is computed: bf16 rows straight into the operand buffers, fp8 rows
+        // into staging buffers that are decoded to one bf16 operand buffer per chunk.
+        let fp8 = comptime!(cfg.format == KvFormat::Fp8);
         let bar_a = Barrier::shared(UNITS, unit == 0);
         let bar_b = Barrier::shared(UNITS, unit == 0);
-        if pipelined && c_begin < c_end {
-            copy_chunk(kv_vecs, &mut kvs, 0, block_table, table, c_begin, last_pos, page_size as usize, unit);
+        if c_begin < c_end {
+            copy_chunk(kv_vecs, kv_raw, &mut kvs, &mut staging, 0, block_table, table, c_begin, last_pos, page_size as usize, unit, cfg.format);
             bar_a.commit_copy_async();
         }
         for c in c_begin..c_end {
-            // 1. The chunk's KV rows into shared memory as bf16. Positions past the last
-            // are read from the last row (finite values, weighted 0 below).
-            let buf = select(pipelined, (c - c_begin) % 2, 0);
-            let kb = buf * 32 * KV_STRIDE;
-            if pipelined {
-                if c + 1 < c_end {
-                    copy_chunk(kv_vecs, &mut kvs, 1 - buf, block_table, table, c + 1, last_pos, page_size as usize, unit);
-                    if buf == 0 {
-                        bar_b.commit_copy_async();
-                    } else {
-                        bar_a.commit_copy_async();
-                    }
-                }
+            // 1. The chunk's KV rows in shared memory as bf16. Positions past the last are
+            // read from the last row (finite values, weighted 0 below).
+            let buf = (c - c_begin) % 2;
+            if c + 1 < c_end {
+                copy_chunk(kv_vecs, kv_raw, &mut kvs, &mut staging, 1 - buf, block_table, table, c + 1, last_pos, page_size as usize, unit, cfg.format);
                 if buf == 0 {
-                    bar_a.arrive_and_wait();
+                    bar_b.commit_copy_async();
                 } else {
-                    bar_b.arrive_and_wait();
+                    bar_a.commit_copy_async();
                 }
+            }
+            if buf == 0 {
+                bar_a.arrive_and_wait();
             } else {
-                // Unrolled with no branch around the loads: all of a unit's are in flight.
-                #[unroll]
-                for j in 0..LOADS_PER_UNIT {
-                    let idx = unit + j * UNITS as usize;
-                    let r = idx / ROW_VECS;
-                    let v = idx % ROW_VECS;
-                    let kv_row = kv_row_of(block_table, table, min(c * 32 + r, last_pos), page_size as usize);
-                    kvs[r * KV_STRIDE + v] = load_vec(kv_vecs, kv_words, kv_row, v, cfg.format);
-                }
+                bar_b.arrive_and_wait();
+            }
+            let mut kb = buf * 32 * KV_STRIDE;
+            if fp8 {
+                decode_fp8_chunk(&staging, &mut kvs, buf, unit);
                 sync_cube();
+                kb = 0;
             }
 
             // 2. Scores over this warp's quarter of the dimensions: 4 n-tiles of 8 positions.
@@ -351,13 +356,16 @@ fn kv_row_of(block_table: &Array<u32>, table: usize, pos: usize, page_size: usiz
     block_table[table + pos / page_size] as usize * page_size + pos % page_size
 }
 
-/// Starts the cp.async copies of chunk `c`'s bf16 rows into buffer `buf` (this unit's share;
-/// positions past `last_pos` copy the last row).
+/// Starts the cp.async copies of chunk `c` into buffer `buf` (this unit's share; positions
+/// past `last_pos` copy the last row): bf16 rows into the operand buffer `kvs`, fp8 rows
+/// (41 vectors of 16 bytes) into `staging`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_chunk(
     kv_vecs: &Array<Vector<bf16, Const<8>>>,
+    kv_raw: &Array<Vector<u32, Const<4>>>,
     kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    staging: &mut SharedMemory<Vector<u32, Const<4>>>,
     buf: usize,
     block_table: &Array<u32>,
     table: usize,
@@ -365,46 +373,70 @@ fn copy_chunk(
     last_pos: usize,
     page_size: usize,
     unit: usize,
+    #[comptime] format: KvFormat,
+) {
+    if comptime!(format == KvFormat::Fp8) {
+        #[unroll]
+        for j in 0..FP8_LOADS_PER_UNIT {
+            let idx = unit + j * UNITS as usize;
+            if idx < 32 * FP8_ROW_VECS {
+                let r = idx / FP8_ROW_VECS;
+                let v = idx % FP8_ROW_VECS;
+                let src = kv_row_of(block_table, table, min(c * 32 + r, last_pos), page_size)
+                    * FP8_ROW_VECS
+                    + v;
+                let dst = (buf * 32 + r) * FP8_ROW_VECS + v;
+                copy_async(&kv_raw.slice(src, src + 1), &mut staging.slice_mut(dst, dst + 1), 4u32);
+            }
+        }
+    } else {
+        #[unroll]
+        for j in 0..LOADS_PER_UNIT {
+            let idx = unit + j * UNITS as usize;
+            let r = idx / ROW_VECS;
+            let v = idx % ROW_VECS;
+            let src = kv_row_of(block_table, table, min(c * 32 + r, last_pos), page_size) * ROW_VECS + v;
+            let dst = (buf * 32 + r) * KV_STRIDE + v;
+            copy_async(&kv_vecs.slice(src, src + 1), &mut kvs.slice_mut(dst, dst + 1), 8u32);
+        }
+    }
+}
+
+/// Decodes staging buffer `buf` (32 fp8 rows: 512 E4M3 codes, 4 f32 scales, 64 bf16 rope
+/// values each) into the bf16 operand buffer: `value = code * scale`, rounded to bf16.
+#[cube]
+fn decode_fp8_chunk(
+    staging: &SharedMemory<Vector<u32, Const<4>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    buf: usize,
+    unit: usize,
 ) {
     #[unroll]
     for j in 0..LOADS_PER_UNIT {
         let idx = unit + j * UNITS as usize;
         let r = idx / ROW_VECS;
         let v = idx % ROW_VECS;
-        let src = kv_row_of(block_table, table, min(c * 32 + r, last_pos), page_size) * ROW_VECS + v;
-        let dst = (buf * 32 + r) * KV_STRIDE + v;
-        copy_async(&kv_vecs.slice(src, src + 1), &mut kvs.slice_mut(dst, dst + 1), 8u32);
-    }
-}
-
-/// The 16-byte vector `v` (8 values) of KV row `row` as bf16.
-#[cube]
-fn load_vec(
-    kv_vecs: &Array<Vector<bf16, Const<8>>>,
-    kv_words: &Array<u32>,
-    row: usize,
-    v: usize,
-    #[comptime] format: KvFormat,
-) -> Vector<bf16, Const<8>> {
-    if comptime!(format == KvFormat::Bf16) {
-        kv_vecs[row * ROW_VECS + v]
-    } else {
-        // FlashMLA's row: 128 words of E4M3 codes, 4 f32 scales, 32 words of bf16 rope.
-        let base = row * 164;
-        let mut value = Vector::<bf16, Const<8>>::empty();
+        let row = (buf * 32 + r) * FP8_ROW_VECS;
         if v < 64 {
-            let scale = f32::reinterpret(kv_words[base + 128 + v / 16]);
+            // Codes 8v..8v+8: words 2v, 2v + 1 of the row; scale word 128 + v / 16.
+            let codes = staging[row + v / 2];
+            let scales = staging[row + 32];
+            let scale = f32::reinterpret(scales[v / 16]);
+            let mut value = Vector::<bf16, Const<8>>::empty();
             #[unroll]
-            for e in 0..8usize {
-                value[e] = bf16::cast_from(e4m3_to_f32(byte_at(kv_words, base * 4 + v * 8 + e)) * scale);
+            for h in 0..2usize {
+                let word = codes[(v % 2) * 2 + h];
+                #[unroll]
+                for e in 0..4usize {
+                    let code = (word >> (8 * e as u32)) & 0xff;
+                    value[h * 4 + e] = bf16::cast_from(e4m3_to_f32(code) * scale);
+                }
             }
+            kvs[r * KV_STRIDE + v] = value;
         } else {
-            #[unroll]
-            for e in 0..8usize {
-                value[e] = bf16::cast_from(bf16_to_f32(half_at(kv_words, (base + 132) * 2 + (v - 64) * 8 + e)));
-            }
+            // Rope: 8 bf16 values, one vector at word 132 + 4 (v - 64).
+            kvs[r * KV_STRIDE + v] = Vector::<bf16, Const<8>>::reinterpret(staging[row + 33 + v - 64]);
         }
-        value
     }
 }
 
