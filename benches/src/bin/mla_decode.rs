@@ -1,7 +1,9 @@
 //! MLA decode attention (absorbed form, paged KV, page 64) on CUDA: effective KV bandwidth
 //! for 16 and 64 heads, batch 1-64, contexts 8k-128k (batch 64 up to 48k: the kernels index
 //! a cache of at most 4 GiB), bf16 and fp8 KV, plus draft
-//! verification (several query tokens per request) in TFLOP/s.
+//! verification (several query tokens per request) and prefill/extend (8k new tokens, with
+//! and without a 24k cached prefix, through `mla_prefill`) in TFLOP/s (causal: visible
+//! query-position pairs x 2 x heads x 1088).
 //!
 //! Every point is validated before it is timed: for the last request of the batch, the
 //! first and last heads of every query token are recomputed by the reference
@@ -158,32 +160,41 @@ mod decode {
             num_pages: pages_per_req,
             rows,
         };
-        let attn = AttnBatch {
-            q_lens: vec![q_len],
-            kv_lens: vec![ctx],
-            block_tables: vec![(0..pages_per_req as u32).collect()],
+        // Every query token of a short span; first, middle and last of a long one. Each is
+        // checked as a one-token request over the positions it sees.
+        let tokens: Vec<usize> = if q_len <= 64 {
+            (0..q_len).collect()
+        } else {
+            vec![0, q_len / 2, q_len - 1]
         };
         let picked = [0, heads - 1];
-        let mut q_sub = Vec::new();
-        let mut actual = Vec::new();
-        for i in 0..q_len {
+        let (mut actual, mut expected, mut allowed) = (Vec::new(), Vec::new(), Vec::new());
+        for &i in &tokens {
+            let visible = ctx - q_len + i + 1;
+            let attn = AttnBatch {
+                q_lens: vec![1],
+                kv_lens: vec![visible],
+                block_tables: vec![(0..visible.div_ceil(PAGE) as u32).collect()],
+            };
+            let mut q_sub = Vec::new();
             for &h in &picked {
                 let row = (b * q_len + i) * heads + h;
                 q_sub.extend_from_slice(&q[row * KV_DIM..(row + 1) * KV_DIM]);
                 actual.extend_from_slice(&out[row * 512..(row + 1) * 512]);
             }
+            let reference = mla_attention(&q_sub, picked.len(), &kv, &attn, scale);
+            for (s, v) in reference.score_magnitude.iter().zip(&reference.value_magnitude) {
+                let bound =
+                    attention_allowed(KV_DIM, visible, *s, *v, DType::BF16, DType::F32, DType::F32);
+                allowed.extend(std::iter::repeat_n(bound, 512));
+            }
+            expected.extend(reference.out);
         }
-        let reference = mla_attention(&q_sub, picked.len(), &kv, &attn, scale);
-        let mut allowed = Vec::new();
-        for (s, v) in reference.score_magnitude.iter().zip(&reference.value_magnitude) {
-            let bound = attention_allowed(KV_DIM, ctx, *s, *v, DType::BF16, DType::F32, DType::F32);
-            allowed.extend(std::iter::repeat_n(bound, 512));
-        }
-        let cmp = compare(&actual, &reference.out, &allowed);
+        let cmp = compare(&actual, &expected, &allowed);
         anyhow::ensure!(cmp.passed(), "{format:?} H={heads} B={batch} q={q_len} ctx={ctx}: {cmp}");
         Ok(actual
             .iter()
-            .zip(&reference.out)
+            .zip(&expected)
             .zip(&allowed)
             .map(|((&a, &e), &t)| (a as f64 - e).abs() / t)
             .fold(0.0, f64::max))
@@ -200,6 +211,7 @@ mod decode {
         q_len: usize,
         ctx: usize,
     ) -> anyhow::Result<Point> {
+        let prefill = q_len > mla::MAX_DECODE_Q_LEN;
         let setup = setup(client, format, batch, q_len, ctx);
         let q = normal_with_outliers(rng, batch * q_len * heads * KV_DIM, 1.0);
         let q_dev = DeviceArray::upload(client, &q);
@@ -207,14 +219,22 @@ mod decode {
         let scale = 0.1f32;
         let launch = |i: usize| {
             let meta = &setup.metas[i % setup.metas.len()];
-            mla::mla_decode(client, &q_dev, heads, &setup.cache, meta, scale, &out)
-                .expect("validated shapes")
+            if prefill {
+                mla::mla_prefill(client, &q_dev, heads, &setup.cache, meta, scale, &out)
+            } else {
+                mla::mla_decode(client, &q_dev, heads, &setup.cache, meta, scale, &out)
+            }
+            .expect("validated shapes")
         };
         launch(0);
         let worst = validate(format, &setup, &q, &out.read(client), heads, batch, q_len, ctx, scale)?;
         let row_bytes = format.words_per_row() * 4;
         let bytes = (batch * ctx * row_bytes) as f64;
-        let launches = ((1.5e-3 / (bytes / 3.0e12)).ceil() as usize).clamp(2, 100);
+        // Causal: query i sees ctx - q_len + i + 1 positions.
+        let pairs = batch * (q_len * (ctx - q_len) + q_len * (q_len + 1) / 2);
+        let flops = 2.0 * (heads * pairs * (576 + 512)) as f64;
+        let est = (bytes / 3.0e12).max(flops / 100e12);
+        let launches = ((1.5e-3 / est).ceil() as usize).clamp(2, 100);
         for i in 0..setup.metas.len() {
             launch(i);
         }
@@ -226,7 +246,6 @@ mod decode {
             timed.spin
         );
         let s = timed.per_launch;
-        let flops = 2.0 * (heads * q_len * batch * ctx * (576 + 512)) as f64;
         Ok(Point {
             kv: if format == KvFormat::Fp8 { "fp8" } else { "bf16" },
             heads,
@@ -268,6 +287,12 @@ mod decode {
                 eprintln!("done verify H={heads} q={q_len}: {:.1} us", p.us);
                 points.push(p);
             }
+        }
+        // Prefill / extend: 8k new tokens with and without a cached prefix.
+        for (q_len, ctx) in [(8192, 8192), (8192, 32768)] {
+            let p = point(&client, &timer, &mut rng, KvFormat::Bf16, 64, 1, q_len, ctx)?;
+            eprintln!("done prefill q={q_len} ctx={ctx}: {:.1} us", p.us);
+            points.push(p);
         }
         print_table(&points);
         if let Some(path) = std::env::args().nth(1) {
