@@ -91,7 +91,7 @@ fn bf16_dot<F: Float>(
 
 /// The largest `e < experts` with `offsets[e] <= row` (binary search; empty experts skipped).
 #[cube]
-fn find_expert(offsets: &Array<u32>, row: u32, experts: u32) -> u32 {
+pub(super) fn find_expert(offsets: &Array<u32>, row: u32, experts: u32) -> u32 {
     let mut lo = 0u32;
     let mut hi = experts;
     while hi - lo > 1 {

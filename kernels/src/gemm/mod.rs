@@ -12,8 +12,9 @@
 //! the device (no host sync), so a decode step that routes on the device can call it.
 //!
 //! Three kernels, chosen by the public launches:
-//! - [`skinny`] for dense decode (`M <= 16`, `K % 32 == 0` for NVFP4, `K % 8 == 0` for
-//!   bf16): a bandwidth-oriented GEMV with coalesced 16-byte weight loads, decode in
+//! - [`skinny`] for decode (dense `M <= 16`; grouped `M <= 128`, a cube per run of one
+//!   expert's rows so only touched experts are read; `K % 32 == 0` for NVFP4, `K % 8 == 0`
+//!   for bf16): a bandwidth-oriented GEMV with coalesced 16-byte weight loads, decode in
 //!   registers and a cube-level reduction;
 //! - `mma` (CUDA tensor cores, `K % 64 == 0`) for larger M and for the grouped GEMM:
 //!   64 x 128 tiles, weights decoded into shared memory as bf16, `mma.sync` on bf16
@@ -34,6 +35,8 @@ pub const BLOCK: usize = 16;
 const CUBE_N: u32 = 64;
 /// The largest M the decode (skinny) kernel takes.
 pub const SKINNY_MAX_M: usize = 16;
+/// The most rows a grouped GEMM sends through the skinny kernel.
+pub const GROUPED_SKINNY_MAX_M: usize = 128;
 
 /// How the weight operand is stored (a compile-time parameter of the kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -148,7 +151,7 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     if takes_skinny(m, w.k, WeightFormat::Nvfp4) {
-        launch_skinny_nvfp4_unchecked(client, a, m, w, out);
+        launch_skinny_nvfp4_unchecked(client, a, m, w, None, out);
     } else if uses_tensor_cores(client, w.k) {
         launch_mma(client, a, m, Operand::Nvfp4(w), None, out);
     } else {
@@ -171,7 +174,9 @@ pub fn nvfp4_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
-    if uses_tensor_cores(client, w.k) {
+    if takes_grouped_skinny(m, w.k, w.n, WeightFormat::Nvfp4) {
+        launch_skinny_nvfp4_unchecked(client, a, m, w, Some(expert_offsets), out);
+    } else if uses_tensor_cores(client, w.k) {
         launch_mma(client, a, m, Operand::Nvfp4(w), Some(expert_offsets), out);
     } else {
         launch_nvfp4_unchecked(client, a, m, w, Some(expert_offsets), out);
@@ -198,7 +203,7 @@ pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     if takes_skinny(m, w.k, WeightFormat::Bf16) {
-        launch_skinny_bf16_unchecked(client, a, m, w, out);
+        launch_skinny_bf16_unchecked(client, a, m, w, None, out);
     } else if uses_tensor_cores(client, w.k) {
         launch_mma(client, a, m, Operand::Bf16(w), None, out);
     } else {
@@ -219,7 +224,9 @@ pub fn bf16_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
-    if uses_tensor_cores(client, w.k) {
+    if takes_grouped_skinny(m, w.k, w.n, WeightFormat::Bf16) {
+        launch_skinny_bf16_unchecked(client, a, m, w, Some(expert_offsets), out);
+    } else if uses_tensor_cores(client, w.k) {
         launch_mma(client, a, m, Operand::Bf16(w), Some(expert_offsets), out);
     } else {
         launch_bf16_unchecked(client, a, m, w, Some(expert_offsets), out);
@@ -425,12 +432,19 @@ pub fn takes_skinny(m: usize, k: usize, format: WeightFormat) -> bool {
     m <= SKINNY_MAX_M && k % vector_elems == 0
 }
 
+/// True when a grouped (MoE) GEMM takes the skinny kernel: decode-sized (`M <= 128` rows:
+/// up to 16 tokens x top-8), rows of whole 16-byte weight vectors, and N in one grid row.
+pub fn takes_grouped_skinny(m: usize, k: usize, n: usize, format: WeightFormat) -> bool {
+    m <= GROUPED_SKINNY_MAX_M && takes_skinny(1, k, format) && n <= 65_535
+}
+
 /// The skinny kernel's compile-time shape for `m` tokens and rows of `k` elements.
 fn skinny_config<R: Runtime>(
     client: &ComputeClient<R>,
     m: usize,
     k: usize,
     format: WeightFormat,
+    grouped: bool,
 ) -> skinny::SkinnyConfig {
     let props = client.properties();
     let hw = &props.hardware;
@@ -440,7 +454,13 @@ fn skinny_config<R: Runtime>(
         .contains(cubecl::ir::features::Plane::Ops)
         && hw.plane_size_min == 32
         && hw.plane_size_max == 32;
-    let tokens = m.next_power_of_two() as u32;
+    // Grouped: a cube per run of `tokens` rows of one expert; decode routes most experts
+    // one row, so runs of 1 until the batch makes repeats common.
+    let tokens = match (grouped, m) {
+        (false, _) => m.next_power_of_two() as u32,
+        (true, ..=64) => 1,
+        (true, _) => 4,
+    };
     let vectors_per_row = match format {
         WeightFormat::Nvfp4 => k / 32,
         WeightFormat::Bf16 => k / 8,
@@ -454,6 +474,7 @@ fn skinny_config<R: Runtime>(
         plane,
         // NVRTC (no -ftz) keeps f32 subnormals; llvmpipe flushes them.
         subnormal_decode: R::name(client) == "cuda",
+        grouped,
     }
 }
 
@@ -472,23 +493,31 @@ pub fn launch_skinny_nvfp4_unchecked<R: Runtime, F: Float + CubeElement>(
     a: &DeviceArray<F>,
     m: usize,
     w: &Nvfp4Weights,
+    expert_offsets: Option<&DeviceArray<u32>>,
     out: &DeviceArray<f32>,
 ) {
-    let cfg = skinny_config(client, m, w.k, WeightFormat::Nvfp4);
+    let cfg = skinny_config(client, m, w.k, WeightFormat::Nvfp4, expert_offsets.is_some());
+    let cubes = match expert_offsets {
+        Some(_) => CubeCount::Static((w.n as u32).div_ceil(cfg.rows), m as u32, 1),
+        None => skinny_cubes(w.n, cfg.rows),
+    };
+    let offsets = expert_offsets.unwrap_or(&w.packed);
     // SAFETY: the caller guarantees the shapes; rows of k / 8 words hold whole vectors of 4.
     unsafe {
         skinny::skinny_kernel::launch_unchecked::<F, R>(
             client,
-            skinny_cubes(w.n, cfg.rows),
+            cubes,
             CubeDim::new_1d(cfg.units),
             a.arg(),
             w.packed.arg(),
             w.scales.arg(),
             w.global_scales.arg(),
+            offsets.arg(),
             out.arg(),
             m as u32,
             w.n as u32,
             w.k as u32,
+            w.experts as u32,
             cfg,
         )
     }
@@ -501,23 +530,31 @@ pub fn launch_skinny_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
     a: &DeviceArray<F>,
     m: usize,
     w: &Bf16Weights,
+    expert_offsets: Option<&DeviceArray<u32>>,
     out: &DeviceArray<f32>,
 ) {
-    let cfg = skinny_config(client, m, w.k, WeightFormat::Bf16);
+    let cfg = skinny_config(client, m, w.k, WeightFormat::Bf16, expert_offsets.is_some());
+    let cubes = match expert_offsets {
+        Some(_) => CubeCount::Static((w.n as u32).div_ceil(cfg.rows), m as u32, 1),
+        None => skinny_cubes(w.n, cfg.rows),
+    };
+    let offsets = expert_offsets.unwrap_or(&w.data);
     // SAFETY: as above; the scale slots are bound to the weights and never read.
     unsafe {
         skinny::skinny_kernel::launch_unchecked::<F, R>(
             client,
-            skinny_cubes(w.n, cfg.rows),
+            cubes,
             CubeDim::new_1d(cfg.units),
             a.arg(),
             w.data.arg(),
             w.data.arg(),
             w.data.arg(),
+            offsets.arg(),
             out.arg(),
             m as u32,
             w.n as u32,
             w.k as u32,
+            w.experts as u32,
             cfg,
         )
     }

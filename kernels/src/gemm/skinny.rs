@@ -23,6 +23,7 @@
 //! [`e2m1_to_f32`] is used. Both agree with the reference within its f32 accumulation bound.
 use cubecl::prelude::*;
 
+use super::kernel::find_expert;
 use super::WeightFormat;
 use crate::formats::{e2m1_to_f32, e4m3_to_f32};
 
@@ -41,6 +42,8 @@ pub struct SkinnyConfig {
     pub plane: bool,
     /// Decode E2M1 by bit placement into f32 subnormals (see the module docs).
     pub subnormal_decode: bool,
+    /// MoE: rows of A sorted by expert, one cube row per A row (see [`skinny_kernel`]).
+    pub grouped: bool,
 }
 
 /// `2^64`: the activations' pre-scale on the subnormal decode path.
@@ -50,7 +53,13 @@ const TWO_POW_62: f32 = 4611686018427387904.0;
 
 /// One cube per `rows` output rows; `weights` as 16-byte vectors of u32 words, `scales` the
 /// E4M3 bytes (NVFP4 only), `a` as vectors of 4 activations. Trusts `K % 32 == 0` (NVFP4)
-/// or `K % 8 == 0` (bf16) and `1 <= m <= cfg.tokens`.
+/// or `K % 8 == 0` (bf16) and `1 <= m <= cfg.tokens` (dense).
+///
+/// Grouped (`cfg.grouped`, MoE decode): the grid's y axis is A's rows; the cube of row `y`
+/// works only if `y` starts a run of `cfg.tokens` rows of its expert (found by binary search
+/// over the device offsets), on up to `cfg.tokens` of them, with that expert's weights,
+/// block scales and global scale. Other cubes leave at once, so only the touched experts'
+/// weights are read.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn skinny_kernel<F: Float>(
@@ -58,39 +67,56 @@ pub fn skinny_kernel<F: Float>(
     weights: &Array<Vector<u32, Const<4>>>,
     scales: &Array<u32>,
     global_scales: &Array<u32>,
+    expert_offsets: &Array<u32>,
     out: &mut Array<f32>,
     m: u32,
     n: u32,
     k: u32,
+    experts: u32,
     #[comptime] cfg: SkinnyConfig,
 ) {
     let rows = comptime!(cfg.rows as usize);
     let outputs = comptime!((cfg.tokens * cfg.rows) as usize);
-    let first_row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize * rows;
-    // Uniform per cube: whole cubes past N leave before any barrier.
-    if first_row < n as usize {
+    // Dense: (first token, token count, expert) = (0, m, 0).
+    let mut first_row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize * rows;
+    let mut token0 = 0usize;
+    let mut count = m;
+    let mut expert = 0usize;
+    let mut active = true;
+    if comptime!(cfg.grouped) {
+        first_row = CUBE_POS_X as usize * rows;
+        token0 = CUBE_POS_Y as usize;
+        expert = find_expert(expert_offsets, token0 as u32, experts) as usize;
+        let begin = expert_offsets[expert] as usize;
+        let end = expert_offsets[expert + 1] as usize;
+        active = (token0 - begin) % comptime!(cfg.tokens as usize) == 0;
+        count = min(end - token0, comptime!(cfg.tokens as usize)) as u32;
+    }
+    // Uniform per cube: whole cubes past N (or not starting a run) leave before any barrier.
+    if first_row < n as usize && active {
         let mut total = Array::<f32>::new(outputs);
         #[unroll]
         for o in 0..outputs {
             total[o] = 0.0;
         }
+        let w_row0 = expert * n as usize;
         if comptime!(cfg.format == WeightFormat::Nvfp4) {
-            nvfp4_rows(a, weights, scales, &mut total, m, n, k, first_row, cfg);
+            nvfp4_rows(a, weights, scales, &mut total, token0, count, n, k, w_row0 + first_row, cfg);
         } else {
-            bf16_rows(a, weights, &mut total, m, n, k, first_row, cfg);
+            bf16_rows(a, weights, &mut total, token0, count, n, k, w_row0 + first_row, cfg);
         }
         let mut global = 1.0f32;
         if comptime!(cfg.format == WeightFormat::Nvfp4) {
-            global = f32::reinterpret(global_scales[0]);
+            global = f32::reinterpret(global_scales[expert]);
         }
-        reduce_and_store(&total, out, m, n, first_row, global, cfg);
+        reduce_and_store(&total, out, token0, count, n, first_row, global, cfg);
     }
 }
 
-/// The activation row a token slot reads: slots past M re-read the last row.
+/// The activation row token slot `t` reads: slots past the count re-read the last row.
 #[cube]
-fn token_row(t: usize, m: u32) -> usize {
-    min(t, m as usize - 1)
+fn token_row(token0: usize, t: usize, count: u32) -> usize {
+    token0 + min(t, count as usize - 1)
 }
 
 /// Four activations as f32, times `prescale`.
@@ -124,7 +150,8 @@ fn nvfp4_rows<F: Float>(
     weights: &Array<Vector<u32, Const<4>>>,
     scales: &Array<u32>,
     total: &mut Array<f32>,
-    m: u32,
+    token0: usize,
+    count: u32,
     n: u32,
     k: u32,
     first_row: usize,
@@ -133,6 +160,8 @@ fn nvfp4_rows<F: Float>(
     let tokens = comptime!(cfg.tokens as usize);
     let rows = comptime!(cfg.rows as usize);
     let outputs = comptime!((cfg.tokens * cfg.rows) as usize);
+    // `first_row` counts from the start of all experts' rows; clamp within this expert's.
+    let last_row = first_row - first_row % n as usize + n as usize - 1;
     let k = k as usize;
     let chunks = k / 32;
     let blocks_per_row = k / 16;
@@ -150,7 +179,7 @@ fn nvfp4_rows<F: Float>(
         // Issue every row's loads before the first use.
         #[unroll]
         for r in 0..rows {
-            let row = min(first_row + r, n as usize - 1);
+            let row = min(first_row + r, last_row);
             codes[r] = weights[row * chunks + c];
             // Blocks 2c and 2c + 1: two bytes of one word, since K / 16 is even.
             let byte = row * blocks_per_row + 2 * c;
@@ -175,7 +204,7 @@ fn nvfp4_rows<F: Float>(
                 }
                 #[unroll]
                 for t in 0..tokens {
-                    let base = (token_row(t, m) * k + c * 32 + word_idx * 8) / 4;
+                    let base = (token_row(token0, t, count) * k + c * 32 + word_idx * 8) / 4;
                     #[unroll]
                     for q in 0..2usize {
                         let x = load_a4(a, base + q, a_prescale);
@@ -211,7 +240,8 @@ fn bf16_rows<F: Float>(
     a: &Array<Vector<F, Const<4>>>,
     weights: &Array<Vector<u32, Const<4>>>,
     total: &mut Array<f32>,
-    m: u32,
+    token0: usize,
+    count: u32,
     n: u32,
     k: u32,
     first_row: usize,
@@ -221,12 +251,13 @@ fn bf16_rows<F: Float>(
     let rows = comptime!(cfg.rows as usize);
     let k = k as usize;
     let chunks = k / 8;
+    let last_row = first_row - first_row % n as usize + n as usize - 1;
     let mut words = Array::<Vector<u32, Const<4>>>::new(rows);
     let mut w = Array::<f32>::new(comptime!(cfg.rows as usize * 8));
     for c in range_stepped(UNIT_POS as usize, chunks, cfg.units as usize) {
         #[unroll]
         for r in 0..rows {
-            let row = min(first_row + r, n as usize - 1);
+            let row = min(first_row + r, last_row);
             words[r] = weights[row * chunks + c];
         }
         #[unroll]
@@ -241,7 +272,7 @@ fn bf16_rows<F: Float>(
         }
         #[unroll]
         for t in 0..tokens {
-            let base = (token_row(t, m) * k + c * 8) / 4;
+            let base = (token_row(token0, t, count) * k + c * 8) / 4;
             #[unroll]
             for q in 0..2usize {
                 let x = load_a4(a, base + q, 1.0f32);
@@ -262,10 +293,12 @@ fn bf16_rows<F: Float>(
 /// Sums `total` over the cube's units and writes `out[t, first_row + r] = sum * global` for
 /// the tokens and rows that exist.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn reduce_and_store(
     total: &Array<f32>,
     out: &mut Array<f32>,
-    m: u32,
+    token0: usize,
+    count: u32,
     n: u32,
     first_row: usize,
     global: f32,
@@ -310,8 +343,8 @@ fn reduce_and_store(
     if unit < outputs {
         let t = unit / rows;
         let row = first_row + unit % rows;
-        if t < m as usize && row < n as usize {
-            out[t * n as usize + row] = sum * global;
+        if t < count as usize && row < n as usize {
+            out[(token0 + t) * n as usize + row] = sum * global;
         }
     }
 }

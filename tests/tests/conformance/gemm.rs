@@ -89,6 +89,17 @@ fn tiled_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeC
             run_gemm::<R, F>(client, &case, false).unwrap().assert_passed();
         }
     }
+    // Decode-sized grouped GEMMs (the skinny kernel's runs of 1 and of 4 rows), then one
+    // with tiles of several experts.
+    for (i, rows) in [vec![2, 0, 5, 1], vec![40, 0, 30, 1, 6]].into_iter().enumerate() {
+        let case = GemmCase::grouped(rows.clone(), 45, 96, 430 + i as u64);
+        run_gemm::<R, F>(client, &case, false).unwrap().assert_passed();
+        let bf16_case = GemmCase {
+            format: WeightFormat::Bf16,
+            ..GemmCase::grouped(rows, 45, 104, 440 + i as u64)
+        };
+        run_gemm::<R, F>(client, &bf16_case, false).unwrap().assert_passed();
+    }
     let rows = vec![70, 0, 3, 65, 1];
     let grouped = GemmCase::grouped(rows.clone(), 150, 128, 420);
     run_gemm::<R, F>(client, &grouped, false).unwrap().assert_passed();
