@@ -13,7 +13,8 @@
 //!
 //! The math each kernel computes is defined by `kiln-reference`, the oracle the conformance
 //! suite compares against. These are the correct-first versions; Hopper tuning comes later.
-//! [`blackwell`] names the place for the native FP4 tensor-core path.
+//! [`blackwell`] holds the native FP4 tensor-core path: a block-scaled MMA tile that compiles
+//! for Blackwell (sm_120a), not dispatched yet.
 
 pub mod activation;
 pub mod blackwell;
