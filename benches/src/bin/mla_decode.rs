@@ -271,7 +271,10 @@ mod decode {
         let mut rng = Rng::new(2026_12_03);
         let mut points = Vec::new();
         let decode = [(1, 8192), (1, 32768), (1, 100_000), (1, 131_072), (8, 32768), (8, 100_000), (32, 32768), (32, 100_000), (64, 32768), (64, 49152)];
-        for format in [KvFormat::Bf16, KvFormat::Fp8] {
+        // `mla_decode OUT.json fp8` runs the fp8 decode points alone.
+        let only_fp8 = std::env::args().nth(2).as_deref() == Some("fp8");
+        let formats: &[KvFormat] = if only_fp8 { &[KvFormat::Fp8] } else { &[KvFormat::Bf16, KvFormat::Fp8] };
+        for &format in formats {
             for heads in [16, 64] {
                 for &(batch, ctx) in &decode {
                     let p = point(&client, &timer, &mut rng, format, heads, batch, 1, ctx)?;
@@ -281,7 +284,7 @@ mod decode {
             }
         }
         // Draft verification: several query tokens per request.
-        for heads in [16, 64] {
+        for heads in if only_fp8 { vec![] } else { vec![16, 64] } {
             for q_len in [8, 16, 32, 64] {
                 let p = point(&client, &timer, &mut rng, KvFormat::Bf16, heads, 8, q_len, 32768)?;
                 eprintln!("done verify H={heads} q={q_len}: {:.1} us", p.us);
@@ -289,7 +292,7 @@ mod decode {
             }
         }
         // Prefill / extend: 8k new tokens with and without a cached prefix.
-        for (q_len, ctx) in [(8192, 8192), (8192, 32768)] {
+        for (q_len, ctx) in if only_fp8 { vec![] } else { vec![(8192, 8192), (8192, 32768)] } {
             let p = point(&client, &timer, &mut rng, KvFormat::Bf16, 64, 1, q_len, ctx)?;
             eprintln!("done prefill q={q_len} ctx={ctx}: {:.1} us", p.us);
             points.push(p);
