@@ -12,7 +12,9 @@
 //!   (SwiGLU) and [`embedding`].
 //!
 //! The math each kernel computes is defined by `kiln-reference`, the oracle the conformance
-//! suite compares against. These are the correct-first versions; Hopper tuning comes later.
+//! suite compares against. The GEMM and MLA attention have CUDA tensor-core versions
+//! (`mma.sync` on bf16 operands), chosen where [`tensor_cores::has_bf16_mma`] holds; the
+//! portable kernels run everywhere else.
 //! [`blackwell`] holds the native FP4 tensor-core path: a block-scaled MMA tile that compiles
 //! for Blackwell (sm_120a), not dispatched yet.
 
@@ -29,6 +31,7 @@ pub mod moe;
 mod reduce;
 pub mod rmsnorm;
 pub mod rope;
+pub mod tensor_cores;
 pub mod tree_verify;
 
 pub use buffer::DeviceArray;

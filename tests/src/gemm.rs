@@ -6,8 +6,8 @@
 //! `Tolerance::dot(K, f32, f32)` against `sum |a w|`.
 use cubecl::prelude::*;
 use kiln_kernels::gemm::{
-    bf16_gemm, bf16_grouped_gemm, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, Nvfp4Weights,
-    WeightFormat, takes_grouped_skinny, takes_skinny, uses_tensor_cores,
+    bf16_gemm, bf16_grouped_gemm, nvfp4_gemm, nvfp4_grouped_gemm, takes_grouped_skinny,
+    takes_skinny, uses_tensor_cores, Bf16Weights, Nvfp4Weights, WeightFormat,
 };
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};

@@ -157,7 +157,11 @@ pub fn run_mla<R: Runtime>(
     let reference = mla_attention(&q, case.heads, &seen, &batch, scale);
     // The tensor-core kernel multiplies bf16 operands (see `kiln_kernels::mla`).
     let tensor_cores = mla::uses_tensor_cores(client, case.format);
-    let operands = if tensor_cores { DType::BF16 } else { DType::F32 };
+    let operands = if tensor_cores {
+        DType::BF16
+    } else {
+        DType::F32
+    };
     let mut allowed = Vec::with_capacity(reference.out.len());
     let mut t = 0;
     for (&q_len, &kv_len) in case.q_lens.iter().zip(&case.kv_lens) {
@@ -187,8 +191,13 @@ pub fn run_mla<R: Runtime>(
         KvFormat::Bf16 => "bf16 kv",
         KvFormat::Fp8 => "fp8 kv",
     };
-    let mut report =
-        CaseReport::from_comparison(kernel, case.shape(), dtype, format!("attention({operands:?} operands)"), &cmp);
+    let mut report = CaseReport::from_comparison(
+        kernel,
+        case.shape(),
+        dtype,
+        format!("attention({operands:?} operands)"),
+        &cmp,
+    );
     report.time_us = time_launch(client, timing, || launch().expect("validated above"));
     Ok(report)
 }

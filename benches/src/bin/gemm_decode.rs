@@ -187,7 +187,9 @@ mod decode {
         let rows: Vec<usize> = if m <= SAMPLE_ROWS {
             (0..m).collect()
         } else {
-            (0..SAMPLE_ROWS).map(|i| i * (m - 1) / (SAMPLE_ROWS - 1)).collect()
+            (0..SAMPLE_ROWS)
+                .map(|i| i * (m - 1) / (SAMPLE_ROWS - 1))
+                .collect()
         };
         for col in cols {
             let w_row: Vec<f64> = (0..k).map(|kk| w.value(col, kk, k)).collect();
@@ -291,7 +293,8 @@ mod decode {
                         w.launch(&client, &a_dev, m, &out, i);
                     }
                     let timed = timer.time(launches, |i| w.launch(&client, &a_dev, m, &out, i));
-                    let (per_launch, enqueue, spin_s) = (timed.per_launch, timed.enqueue, timed.spin);
+                    let (per_launch, enqueue, spin_s) =
+                        (timed.per_launch, timed.enqueue, timed.spin);
                     anyhow::ensure!(
                         enqueue < spin_s,
                         "enqueue ({enqueue:.6} s) outlasted the spin ({spin_s:.6} s)"
@@ -339,7 +342,18 @@ mod decode {
     fn print_table(rows: &[Row]) {
         println!(
             "{:<6} {:>5} {:>6} {:>6} {:>10} {:>6} {:>6} {:>7} {:>10} {:>6} {:>7} {:>8}",
-            "W", "M", "N", "K", "kiln us", "TB/s", "%copy", "TFLOP/s", "cuBLAS us", "TB/s", "TFLOP/s", "speedup"
+            "W",
+            "M",
+            "N",
+            "K",
+            "kiln us",
+            "TB/s",
+            "%copy",
+            "TFLOP/s",
+            "cuBLAS us",
+            "TB/s",
+            "TFLOP/s",
+            "speedup"
         );
         for r in rows {
             println!(

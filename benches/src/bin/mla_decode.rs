@@ -70,7 +70,11 @@ mod decode {
         let words = format.words_per_row();
         let ws: Vec<u32> = (0..words)
             .map(|j| {
-                let masks = if format == KvFormat::Fp8 { FP8_MASKS } else { BF16_MASKS };
+                let masks = if format == KvFormat::Fp8 {
+                    FP8_MASKS
+                } else {
+                    BF16_MASKS
+                };
                 fill_word((row * words + j) as u32, SEED, masks.0, masks.1)
             })
             .collect();
@@ -98,7 +102,11 @@ mod decode {
         let copies = 256_000_000usize.div_ceil(bytes_per_copy).clamp(1, 32);
         let num_pages = copies * batch * pages_per_req;
         let data = DeviceArray::<u32>::uninit(client, num_pages * PAGE * format.words_per_row());
-        let (and_mask, or_mask) = if format == KvFormat::Fp8 { FP8_MASKS } else { BF16_MASKS };
+        let (and_mask, or_mask) = if format == KvFormat::Fp8 {
+            FP8_MASKS
+        } else {
+            BF16_MASKS
+        };
         fill_random_bits(client, &data, SEED, and_mask, or_mask).expect("cache fits u32 indexing");
         let mut metas = Vec::new();
         let mut tables = Vec::new();
@@ -153,7 +161,9 @@ mod decode {
         let table = &setup.tables[0][b * pages_per_req..(b + 1) * pages_per_req];
         let rows: Vec<f32> = table
             .iter()
-            .flat_map(|&page| (0..PAGE).flat_map(move |s| host_row(format, page as usize * PAGE + s)))
+            .flat_map(|&page| {
+                (0..PAGE).flat_map(move |s| host_row(format, page as usize * PAGE + s))
+            })
             .collect();
         let kv = PagedKv {
             page_size: PAGE,
@@ -183,7 +193,11 @@ mod decode {
                 actual.extend_from_slice(&out[row * 512..(row + 1) * 512]);
             }
             let reference = mla_attention(&q_sub, picked.len(), &kv, &attn, scale);
-            for (s, v) in reference.score_magnitude.iter().zip(&reference.value_magnitude) {
+            for (s, v) in reference
+                .score_magnitude
+                .iter()
+                .zip(&reference.value_magnitude)
+            {
                 let bound =
                     attention_allowed(KV_DIM, visible, *s, *v, DType::BF16, DType::F32, DType::F32);
                 allowed.extend(std::iter::repeat_n(bound, 512));
@@ -191,7 +205,10 @@ mod decode {
             expected.extend(reference.out);
         }
         let cmp = compare(&actual, &expected, &allowed);
-        anyhow::ensure!(cmp.passed(), "{format:?} H={heads} B={batch} q={q_len} ctx={ctx}: {cmp}");
+        anyhow::ensure!(
+            cmp.passed(),
+            "{format:?} H={heads} B={batch} q={q_len} ctx={ctx}: {cmp}"
+        );
         Ok(actual
             .iter()
             .zip(&expected)
@@ -227,7 +244,17 @@ mod decode {
             .expect("validated shapes")
         };
         launch(0);
-        let worst = validate(format, &setup, &q, &out.read(client), heads, batch, q_len, ctx, scale)?;
+        let worst = validate(
+            format,
+            &setup,
+            &q,
+            &out.read(client),
+            heads,
+            batch,
+            q_len,
+            ctx,
+            scale,
+        )?;
         let row_bytes = format.words_per_row() * 4;
         let bytes = (batch * ctx * row_bytes) as f64;
         // Causal: query i sees ctx - q_len + i + 1 positions.
@@ -247,7 +274,11 @@ mod decode {
         );
         let s = timed.per_launch;
         Ok(Point {
-            kv: if format == KvFormat::Fp8 { "fp8" } else { "bf16" },
+            kv: if format == KvFormat::Fp8 {
+                "fp8"
+            } else {
+                "bf16"
+            },
             heads,
             batch,
             q_len,
@@ -270,15 +301,33 @@ mod decode {
         let timer = SpinTimer::new(&client, Duration::from_millis(4));
         let mut rng = Rng::new(2026_12_03);
         let mut points = Vec::new();
-        let decode = [(1, 8192), (1, 32768), (1, 100_000), (1, 131_072), (8, 32768), (8, 100_000), (32, 32768), (32, 100_000), (64, 32768), (64, 49152)];
+        let decode = [
+            (1, 8192),
+            (1, 32768),
+            (1, 100_000),
+            (1, 131_072),
+            (8, 32768),
+            (8, 100_000),
+            (32, 32768),
+            (32, 100_000),
+            (64, 32768),
+            (64, 49152),
+        ];
         // `mla_decode OUT.json fp8` runs the fp8 decode points alone.
         let only_fp8 = std::env::args().nth(2).as_deref() == Some("fp8");
-        let formats: &[KvFormat] = if only_fp8 { &[KvFormat::Fp8] } else { &[KvFormat::Bf16, KvFormat::Fp8] };
+        let formats: &[KvFormat] = if only_fp8 {
+            &[KvFormat::Fp8]
+        } else {
+            &[KvFormat::Bf16, KvFormat::Fp8]
+        };
         for &format in formats {
             for heads in [16, 64] {
                 for &(batch, ctx) in &decode {
                     let p = point(&client, &timer, &mut rng, format, heads, batch, 1, ctx)?;
-                    eprintln!("done {} H={heads} B={batch} ctx={ctx}: {:.1} us", p.kv, p.us);
+                    eprintln!(
+                        "done {} H={heads} B={batch} ctx={ctx}: {:.1} us",
+                        p.kv, p.us
+                    );
                     points.push(p);
                 }
             }
@@ -286,13 +335,26 @@ mod decode {
         // Draft verification: several query tokens per request.
         for heads in if only_fp8 { vec![] } else { vec![16, 64] } {
             for q_len in [8, 16, 32, 64] {
-                let p = point(&client, &timer, &mut rng, KvFormat::Bf16, heads, 8, q_len, 32768)?;
+                let p = point(
+                    &client,
+                    &timer,
+                    &mut rng,
+                    KvFormat::Bf16,
+                    heads,
+                    8,
+                    q_len,
+                    32768,
+                )?;
                 eprintln!("done verify H={heads} q={q_len}: {:.1} us", p.us);
                 points.push(p);
             }
         }
         // Prefill / extend: 8k new tokens with and without a cached prefix.
-        for (q_len, ctx) in if only_fp8 { vec![] } else { vec![(8192, 8192), (8192, 32768)] } {
+        for (q_len, ctx) in if only_fp8 {
+            vec![]
+        } else {
+            vec![(8192, 8192), (8192, 32768)]
+        } {
             let p = point(&client, &timer, &mut rng, KvFormat::Bf16, 64, 1, q_len, ctx)?;
             eprintln!("done prefill q={q_len} ctx={ctx}: {:.1} us", p.us);
             points.push(p);

@@ -126,7 +126,8 @@ mod moe {
                 let off_dev = DeviceArray::upload(&client, &offsets);
                 let out = DeviceArray::filled(&client, m * n, f32::NAN);
                 let launch = || {
-                    nvfp4_grouped_gemm(&client, &a_dev, m, &w, &off_dev, &out).expect("valid shapes")
+                    nvfp4_grouped_gemm(&client, &a_dev, m, &w, &off_dev, &out)
+                        .expect("valid shapes")
                 };
                 launch();
                 let got = out.read(&client);

@@ -68,7 +68,13 @@ pub fn mma_gemm_kernel<F: Float>(
     // This cube's expert and rows.
     let mut slot = SharedMemory::<u32>::new(3usize);
     if grouped {
-        find_tile(expert_offsets, experts as usize, CUBE_POS_X as usize, &mut slot, unit);
+        find_tile(
+            expert_offsets,
+            experts as usize,
+            CUBE_POS_X as usize,
+            &mut slot,
+            unit,
+        );
     } else if unit == 0 {
         slot[0] = 0;
         slot[1] = CUBE_POS_X * 64;
@@ -106,7 +112,10 @@ pub fn mma_gemm_kernel<F: Float>(
         let mut a_raw = Array::<Vector<F, Const<4>>>::new(4usize);
         let mut w_raw = Array::<Vector<u32, Const<4>>>::new(4usize);
         let mut s_raw = 0u32;
-        load_raw(a, codes, bf16_rows, scales, &mut a_raw, &mut w_raw, &mut s_raw, a_row, w_row, k, kt_begin, unit, format);
+        load_raw(
+            a, codes, bf16_rows, scales, &mut a_raw, &mut w_raw, &mut s_raw, a_row, w_row, k,
+            kt_begin, unit, format,
+        );
         for kt in kt_begin..kt_end {
             // Activations: 4 vectors of 4 -> 2 vectors of 8 bf16.
             #[unroll]
@@ -145,7 +154,21 @@ pub fn mma_gemm_kernel<F: Float>(
                 }
             }
             sync_cube();
-            load_raw(a, codes, bf16_rows, scales, &mut a_raw, &mut w_raw, &mut s_raw, a_row, w_row, k, min(kt + 1, kt_end - 1), unit, format);
+            load_raw(
+                a,
+                codes,
+                bf16_rows,
+                scales,
+                &mut a_raw,
+                &mut w_raw,
+                &mut s_raw,
+                a_row,
+                w_row,
+                k,
+                min(kt + 1, kt_end - 1),
+                unit,
+                format,
+            );
 
             #[unroll]
             for ks in 0..4usize {
@@ -261,14 +284,21 @@ fn load_raw<F: Float>(
     } else {
         #[unroll]
         for j in 0..4usize {
-            w_raw[j] = Vector::<u32, Const<4>>::reinterpret(bf16_rows[w_row * (k / 8) + kt * 8 + part * 4 + j]);
+            w_raw[j] = Vector::<u32, Const<4>>::reinterpret(
+                bf16_rows[w_row * (k / 8) + kt * 8 + part * 4 + j],
+            );
         }
     }
 }
 
 /// `out[i] = sum_s parts[s * len + i]`: the splits of a split-K GEMM, 4 values per unit.
 #[cube(launch_unchecked)]
-pub fn sum_splits_kernel(parts: &Array<Vector<f32, Const<4>>>, out: &mut Array<Vector<f32, Const<4>>>, len4: u32, splits: u32) {
+pub fn sum_splits_kernel(
+    parts: &Array<Vector<f32, Const<4>>>,
+    out: &mut Array<Vector<f32, Const<4>>>,
+    len4: u32,
+    splits: u32,
+) {
     let i = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize * 256 + UNIT_POS_X as usize;
     if i < len4 as usize {
         let mut acc = parts[i];

@@ -12,7 +12,7 @@
 //! the device (no host sync), so a decode step that routes on the device can call it.
 //!
 //! Three kernels, chosen by the public launches:
-//! - [`skinny`] for decode (dense `M <= 16`; grouped `M <= 128`, a cube per run of one
+//! - [`skinny`] for decode (dense `M <= 16`; grouped `M <= 1024`, a cube per run of one
 //!   expert's rows so only touched experts are read; `K % 32 == 0` for NVFP4, `K % 8 == 0`
 //!   for bf16): a bandwidth-oriented GEMV with coalesced 16-byte weight loads, decode in
 //!   registers and a cube-level reduction;
@@ -35,8 +35,10 @@ pub const BLOCK: usize = 16;
 const CUBE_N: u32 = 64;
 /// The largest M the decode (skinny) kernel takes.
 pub const SKINNY_MAX_M: usize = 16;
-/// The most rows a grouped GEMM sends through the skinny kernel.
-pub const GROUPED_SKINNY_MAX_M: usize = 128;
+/// The most rows a grouped GEMM sends through the skinny kernel (128 tokens x top-8): at
+/// Kimi's shapes it streams the touched experts at 27-33% of copy against the tiled kernel's
+/// 11% up to there (`benches/RESULTS.md`).
+pub const GROUPED_SKINNY_MAX_M: usize = 1024;
 
 /// How the weight operand is stored (a compile-time parameter of the kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -336,16 +338,7 @@ pub fn launch_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
 /// `k % 64 == 0` on a device with bf16 `mma.sync m16n8k16`, `ldmatrix` and plane sums.
 /// That path rounds the activations to bf16 (see `mma.rs`).
 pub fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, k: usize) -> bool {
-    use cubecl::ir::{ElemType, FloatKind, StorageType};
-    let features = &client.properties().features;
-    let bf16 = StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    let f32 = StorageType::Scalar(ElemType::Float(FloatKind::F32));
-    k % mma::BK as usize == 0
-        && features.plane.contains(cubecl::ir::features::Plane::Ops)
-        && features.matmul.ldmatrix.contains(&bf16)
-        && features.matmul.mma.iter().any(|c| {
-            (c.m, c.n, c.k) == (16, 8, 16) && c.a_type == bf16 && c.b_type == bf16 && c.cd_type == f32
-        })
+    k % mma::BK as usize == 0 && crate::tensor_cores::has_bf16_mma(client)
 }
 
 /// The weight operand of [`launch_mma`].
@@ -367,20 +360,48 @@ fn launch_mma<R: Runtime, F: Float + CubeElement>(
     let (data, scales, globals, format, experts, n, k) = match w {
         Operand::Nvfp4(w) => {
             let globals = w.global_scales.arg();
-            (&w.packed, &w.scales, globals, WeightFormat::Nvfp4, w.experts, w.n, w.k)
+            (
+                &w.packed,
+                &w.scales,
+                globals,
+                WeightFormat::Nvfp4,
+                w.experts,
+                w.n,
+                w.k,
+            )
         }
-        Operand::Bf16(w) => (&w.data, &w.data, w.data.arg(), WeightFormat::Bf16, w.experts, w.n, w.k),
+        Operand::Bf16(w) => (
+            &w.data,
+            &w.data,
+            w.data.arg(),
+            WeightFormat::Bf16,
+            w.experts,
+            w.n,
+            w.k,
+        ),
     };
-    let m_tiles = (m as u32).div_ceil(mma::BM) + if expert_offsets.is_some() { experts as u32 } else { 0 };
+    let m_tiles = (m as u32).div_ceil(mma::BM)
+        + if expert_offsets.is_some() {
+            experts as u32
+        } else {
+            0
+        };
     let n_tiles = (n as u32).div_ceil(mma::BN);
     // Dense GEMMs with too few tiles to fill the SMs split K (>= 8 steps per split); the
     // splits write `splits` slices of a scratch buffer that one more launch sums (no
     // atomics: the result does not depend on the order the splits finish).
-    let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(1);
+    let sms = client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .unwrap_or(1);
     let splits = if expert_offsets.is_some() || n % 4 != 0 {
         1
     } else {
-        (2 * sms).div_ceil(m_tiles * n_tiles).min(k as u32 / mma::BK / 8).max(1)
+        (2 * sms)
+            .div_ceil(m_tiles * n_tiles)
+            .min(k as u32 / mma::BK / 8)
+            .max(1)
     };
     let scratch = (splits > 1).then(|| DeviceArray::<f32>::uninit(client, splits as usize * m * n));
     let offsets = expert_offsets.unwrap_or(data);
@@ -432,8 +453,8 @@ pub fn takes_skinny(m: usize, k: usize, format: WeightFormat) -> bool {
     m <= SKINNY_MAX_M && k % vector_elems == 0
 }
 
-/// True when a grouped (MoE) GEMM takes the skinny kernel: decode-sized (`M <= 128` rows:
-/// up to 16 tokens x top-8), rows of whole 16-byte weight vectors, and N in one grid row.
+/// True when a grouped (MoE) GEMM takes the skinny kernel: decode-sized (`M <= 1024` rows:
+/// up to 128 tokens x top-8), rows of whole 16-byte weight vectors, and N in one grid row.
 pub fn takes_grouped_skinny(m: usize, k: usize, n: usize, format: WeightFormat) -> bool {
     m <= GROUPED_SKINNY_MAX_M && takes_skinny(1, k, format) && n <= 65_535
 }
@@ -496,7 +517,13 @@ pub fn launch_skinny_nvfp4_unchecked<R: Runtime, F: Float + CubeElement>(
     expert_offsets: Option<&DeviceArray<u32>>,
     out: &DeviceArray<f32>,
 ) {
-    let cfg = skinny_config(client, m, w.k, WeightFormat::Nvfp4, expert_offsets.is_some());
+    let cfg = skinny_config(
+        client,
+        m,
+        w.k,
+        WeightFormat::Nvfp4,
+        expert_offsets.is_some(),
+    );
     let cubes = match expert_offsets {
         Some(_) => CubeCount::Static((w.n as u32).div_ceil(cfg.rows), m as u32, 1),
         None => skinny_cubes(w.n, cfg.rows),

@@ -101,9 +101,30 @@ pub fn skinny_kernel<F: Float>(
         }
         let w_row0 = expert * n as usize;
         if comptime!(cfg.format == WeightFormat::Nvfp4) {
-            nvfp4_rows(a, weights, scales, &mut total, token0, count, n, k, w_row0 + first_row, cfg);
+            nvfp4_rows(
+                a,
+                weights,
+                scales,
+                &mut total,
+                token0,
+                count,
+                n,
+                k,
+                w_row0 + first_row,
+                cfg,
+            );
         } else {
-            bf16_rows(a, weights, &mut total, token0, count, n, k, w_row0 + first_row, cfg);
+            bf16_rows(
+                a,
+                weights,
+                &mut total,
+                token0,
+                count,
+                n,
+                k,
+                w_row0 + first_row,
+                cfg,
+            );
         }
         let mut global = 1.0f32;
         if comptime!(cfg.format == WeightFormat::Nvfp4) {

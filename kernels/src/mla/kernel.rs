@@ -170,7 +170,12 @@ pub fn mla_kernel(
 
 /// Cache row holding position `pos` of the request whose block table starts at `table`.
 #[cube]
-fn kv_row(block_table: &Array<u32>, table: usize, pos: usize, page_size: usize) -> usize {
+pub(super) fn kv_row(
+    block_table: &Array<u32>,
+    table: usize,
+    pos: usize,
+    page_size: usize,
+) -> usize {
     block_table[table + pos / page_size] as usize * page_size + pos % page_size
 }
 

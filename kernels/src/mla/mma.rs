@@ -25,12 +25,12 @@
 //! Rounding: queries, softmax weights and (fp8) dequantised values are rounded to bf16 for
 //! the tensor cores; bf16 KV values are exact. `tolerance::attention_allowed` takes the
 //! operand type and bounds what that adds.
-use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
+use cubecl::prelude::*;
 use half::bf16;
 
+use super::kernel::kv_row;
 use super::KvFormat;
-use crate::formats::e4m3_to_f32;
 
 /// Query rows per cube (the MMA's M).
 pub const ROWS: u32 = 16;
@@ -121,7 +121,11 @@ pub fn mma_attention_kernel(
             16usize,
         );
         let mut staging = SharedMemory::<Vector<u32, Const<4>>>::new_aligned(
-            comptime!(if cfg.format == KvFormat::Fp8 { 2 * 32 * FP8_ROW_VECS } else { 1 }),
+            comptime!(if cfg.format == KvFormat::Fp8 {
+                2 * 32 * FP8_ROW_VECS
+            } else {
+                1
+            }),
             16usize,
         );
         let mut ss = SharedMemory::<f32>::new(4 * 16 * S_STRIDE);
@@ -169,7 +173,20 @@ pub fn mma_attention_kernel(
         let bar_a = Barrier::shared(UNITS, unit == 0);
         let bar_b = Barrier::shared(UNITS, unit == 0);
         if c_begin < c_end {
-            copy_chunk(kv_vecs, kv_raw, &mut kvs, &mut staging, 0, block_table, table, c_begin, last_pos, page_size as usize, unit, cfg.format);
+            copy_chunk(
+                kv_vecs,
+                kv_raw,
+                &mut kvs,
+                &mut staging,
+                0,
+                block_table,
+                table,
+                c_begin,
+                last_pos,
+                page_size as usize,
+                unit,
+                cfg.format,
+            );
             bar_a.commit_copy_async();
         }
         for c in c_begin..c_end {
@@ -177,7 +194,20 @@ pub fn mma_attention_kernel(
             // read from the last row (finite values, weighted 0 below).
             let buf = (c - c_begin) % 2;
             if c + 1 < c_end {
-                copy_chunk(kv_vecs, kv_raw, &mut kvs, &mut staging, 1 - buf, block_table, table, c + 1, last_pos, page_size as usize, unit, cfg.format);
+                copy_chunk(
+                    kv_vecs,
+                    kv_raw,
+                    &mut kvs,
+                    &mut staging,
+                    1 - buf,
+                    block_table,
+                    table,
+                    c + 1,
+                    last_pos,
+                    page_size as usize,
+                    unit,
+                    cfg.format,
+                );
                 if buf == 0 {
                     bar_b.commit_copy_async();
                 } else {
@@ -332,7 +362,11 @@ pub fn mma_attention_kernel(
                 if cfg.direct {
                     scale = Acc::new(1.0 / ml_s[r * 2 + 1]);
                 }
-                let dst_row = select(cfg.direct, first_row + r, split * total_rows as usize + first_row + r);
+                let dst_row = select(
+                    cfg.direct,
+                    first_row + r,
+                    split * total_rows as usize + first_row + r,
+                );
                 #[unroll]
                 for n in 0usize..N_TILES {
                     let v = acc[n * 2 + half] * scale;
@@ -348,12 +382,6 @@ pub fn mma_attention_kernel(
             }
         }
     }
-}
-
-/// Cache row holding position `pos` of the request whose block table starts at `table`.
-#[cube]
-fn kv_row_of(block_table: &Array<u32>, table: usize, pos: usize, page_size: usize) -> usize {
-    block_table[table + pos / page_size] as usize * page_size + pos % page_size
 }
 
 /// Starts the cp.async copies of chunk `c` into buffer `buf` (this unit's share; positions
@@ -382,11 +410,15 @@ fn copy_chunk(
             if idx < 32 * FP8_ROW_VECS {
                 let r = idx / FP8_ROW_VECS;
                 let v = idx % FP8_ROW_VECS;
-                let src = kv_row_of(block_table, table, min(c * 32 + r, last_pos), page_size)
+                let src = kv_row(block_table, table, min(c * 32 + r, last_pos), page_size)
                     * FP8_ROW_VECS
                     + v;
                 let dst = (buf * 32 + r) * FP8_ROW_VECS + v;
-                copy_async(&kv_raw.slice(src, src + 1), &mut staging.slice_mut(dst, dst + 1), 4u32);
+                copy_async(
+                    &kv_raw.slice(src, src + 1),
+                    &mut staging.slice_mut(dst, dst + 1),
+                    4u32,
+                );
             }
         }
     } else {
@@ -395,12 +427,30 @@ fn copy_chunk(
             let idx = unit + j * UNITS as usize;
             let r = idx / ROW_VECS;
             let v = idx % ROW_VECS;
-            let src = kv_row_of(block_table, table, min(c * 32 + r, last_pos), page_size) * ROW_VECS + v;
+            let src =
+                kv_row(block_table, table, min(c * 32 + r, last_pos), page_size) * ROW_VECS + v;
             let dst = (buf * 32 + r) * KV_STRIDE + v;
-            copy_async(&kv_vecs.slice(src, src + 1), &mut kvs.slice_mut(dst, dst + 1), 8u32);
+            copy_async(
+                &kv_vecs.slice(src, src + 1),
+                &mut kvs.slice_mut(dst, dst + 1),
+                8u32,
+            );
         }
     }
 }
+
+/// An E4M3 code as f32 by bit placement: the code's exponent and mantissa bits moved to
+/// f32's (`(c & 0x7f) << 20`, sign to bit 31) read `e4m3(c) * 2^-120` exactly, normal codes
+/// as normal f32 and subnormal codes as f32 subnormals (CUDA keeps them: NVRTC builds
+/// without flush-to-zero); the exact multiply by `2^120` restores the value. NaN codes
+/// (0x7f, 0xff) do not occur in a cache written by `write_kv`.
+#[cube]
+fn e4m3_bits_to_f32(code: u32) -> f32 {
+    f32::reinterpret(((code & 0x7f) << 20) | ((code & 0x80) << 24)) * TWO_POW_120
+}
+
+/// `2^120`.
+const TWO_POW_120: f32 = 1.329_228e36;
 
 /// Decodes staging buffer `buf` (32 fp8 rows: 512 E4M3 codes, 4 f32 scales, 64 bf16 rope
 /// values each) into the bf16 operand buffer: `value = code * scale`, rounded to bf16.
@@ -429,13 +479,14 @@ fn decode_fp8_chunk(
                 #[unroll]
                 for e in 0..4usize {
                     let code = (word >> (8 * e as u32)) & 0xff;
-                    value[h * 4 + e] = bf16::cast_from(e4m3_to_f32(code) * scale);
+                    value[h * 4 + e] = bf16::cast_from(e4m3_bits_to_f32(code) * scale);
                 }
             }
             kvs[r * KV_STRIDE + v] = value;
         } else {
             // Rope: 8 bf16 values, one vector at word 132 + 4 (v - 64).
-            kvs[r * KV_STRIDE + v] = Vector::<bf16, Const<8>>::reinterpret(staging[row + 33 + v - 64]);
+            kvs[r * KV_STRIDE + v] =
+                Vector::<bf16, Const<8>>::reinterpret(staging[row + 33 + v - 64]);
         }
     }
 }

@@ -144,16 +144,7 @@ pub fn mla_prefill<R: Runtime>(
 /// format: bf16 or fp8 KV on a device with bf16 `mma.sync m16n8k16`, `ldmatrix` and plane
 /// shuffles. Its operands are rounded to bf16 (see `mma.rs`).
 pub fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, format: KvFormat) -> bool {
-    use cubecl::ir::{ElemType, FloatKind, StorageType};
-    let features = &client.properties().features;
-    let bf16 = StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    let f32 = StorageType::Scalar(ElemType::Float(FloatKind::F32));
-    format != KvFormat::F32
-        && features.plane.contains(cubecl::ir::features::Plane::Ops)
-        && features.matmul.ldmatrix.contains(&bf16)
-        && features.matmul.mma.iter().any(|c| {
-            (c.m, c.n, c.k) == (16, 8, 16) && c.a_type == bf16 && c.b_type == bf16 && c.cd_type == f32
-        })
+    format != KvFormat::F32 && crate::tensor_cores::has_bf16_mma(client)
 }
 
 /// Split count of the tensor-core kernel: enough cubes for two per SM, no split shorter
@@ -165,7 +156,10 @@ fn mma_splits<R: Runtime>(client: &ComputeClient<R>, cubes: usize, max_kv_len: u
         .num_streaming_multiprocessors
         .unwrap_or(1) as usize;
     let chunks = max_kv_len.div_ceil(mma::CHUNK as usize).max(1);
-    (2 * sms).div_ceil(cubes).min(chunks.div_ceil(4)).clamp(1, 1024)
+    (2 * sms)
+        .div_ceil(cubes)
+        .min(chunks.div_ceil(4))
+        .clamp(1, 1024)
 }
 
 /// Launches the tensor-core kernel (and the combine when it splits the KV).
@@ -187,7 +181,10 @@ fn launch_mma<R: Runtime>(
             DeviceArray::<f32>::uninit(client, splits * total_rows * 2),
         )
     } else {
-        (DeviceArray::uninit(client, 1), DeviceArray::uninit(client, 1))
+        (
+            DeviceArray::uninit(client, 1),
+            DeviceArray::uninit(client, 1),
+        )
     };
     let config = mma::MmaAttnConfig {
         format: kv.format,

@@ -78,36 +78,55 @@ fn bf16_weights<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
 /// of three 64-steps, K split over cubes (few tiles, 16+ steps), and experts with several
 /// tiles, a partial one and none.
 fn tiled_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
-    for (i, (m, n, k)) in [(17, 21, 64), (64, 128, 192), (65, 200, 64), (130, 37, 128), (20, 96, 1088)]
-        .into_iter()
-        .enumerate()
+    for (i, (m, n, k)) in [
+        (17, 21, 64),
+        (64, 128, 192),
+        (65, 200, 64),
+        (130, 37, 128),
+        (20, 96, 1088),
+    ]
+    .into_iter()
+    .enumerate()
     {
         for case in [
             GemmCase::dense(m, n, k, 400 + i as u64),
             GemmCase::bf16(m, n, k, 410 + i as u64),
         ] {
-            run_gemm::<R, F>(client, &case, false).unwrap().assert_passed();
+            run_gemm::<R, F>(client, &case, false)
+                .unwrap()
+                .assert_passed();
         }
     }
     // Decode-sized grouped GEMMs (the skinny kernel's runs of 1 and of 4 rows).
-    for (i, rows) in [vec![2, 0, 5, 1], vec![40, 0, 30, 1, 6]].into_iter().enumerate() {
+    for (i, rows) in [vec![2, 0, 5, 1], vec![40, 0, 30, 1, 6]]
+        .into_iter()
+        .enumerate()
+    {
         let case = GemmCase::grouped(rows.clone(), 45, 96, 430 + i as u64);
-        run_gemm::<R, F>(client, &case, false).unwrap().assert_passed();
+        run_gemm::<R, F>(client, &case, false)
+            .unwrap()
+            .assert_passed();
         let bf16_case = GemmCase {
             format: WeightFormat::Bf16,
             ..GemmCase::grouped(rows, 45, 104, 440 + i as u64)
         };
-        run_gemm::<R, F>(client, &bf16_case, false).unwrap().assert_passed();
+        run_gemm::<R, F>(client, &bf16_case, false)
+            .unwrap()
+            .assert_passed();
     }
     // Past the grouped skinny limit (1024 rows): the tiled kernel's expert tiles.
     let rows = vec![600, 0, 3, 500, 1];
     let grouped = GemmCase::grouped(rows.clone(), 150, 128, 420);
-    run_gemm::<R, F>(client, &grouped, false).unwrap().assert_passed();
+    run_gemm::<R, F>(client, &grouped, false)
+        .unwrap()
+        .assert_passed();
     let grouped_bf16 = GemmCase {
         format: WeightFormat::Bf16,
         ..GemmCase::grouped(rows, 150, 128, 421)
     };
-    run_gemm::<R, F>(client, &grouped_bf16, false).unwrap().assert_passed();
+    run_gemm::<R, F>(client, &grouped_bf16, false)
+        .unwrap()
+        .assert_passed();
 }
 
 /// Decode-sized shapes from Kimi-K2, pinned.
