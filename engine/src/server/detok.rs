@@ -3,6 +3,12 @@
 //! become a stop string (so a stop string is never streamed, as OpenAI specifies). An
 //! optional end-of-text token (chat: the start of a tool-call section) ends the text: what
 //! was held back is released and nothing after it is text or matched against stops.
+//!
+//! Each token costs O(1) tokenizer work, not O(length): the ids are decoded in a short
+//! window (the tokens since the last whole character, after a few tokens of context so
+//! tokenizers that drop a leading space see where they are), and only its new characters
+//! are appended to the text (the scheme of HF text-generation-inference and vLLM). The
+//! stop strings are searched in the tail that could hold one.
 use std::sync::Arc;
 
 use crate::model::tokenizer::TextCodec;
@@ -12,7 +18,12 @@ pub struct Detokenizer {
     codec: Arc<TextCodec>,
     ids: Vec<u32>,
     stops: Vec<String>,
-    /// Bytes of the text already handed out.
+    /// The text of `ids[..read]`: whole characters only.
+    text: String,
+    /// Where the decode window starts (context for `ids[read..]`) and ends.
+    prefix: usize,
+    read: usize,
+    /// Bytes of `text` already handed out.
     sent: usize,
     /// Set once a stop string appeared: the text ends before it.
     stopped: bool,
@@ -27,6 +38,9 @@ impl Detokenizer {
             codec,
             ids: Vec::new(),
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            text: String::new(),
+            prefix: 0,
+            read: 0,
             sent: 0,
             stopped: false,
             end_of_text,
@@ -57,11 +71,17 @@ impl Detokenizer {
             self.closed = true;
             return self.flush(self.ids.len() - 1);
         }
-        let text = self.codec.decode(&self.ids).unwrap_or_default();
-        let search_from = floor_char(&text, self.sent.saturating_sub(self.longest_stop()));
+        // A trailing U+FFFD is a character whose bytes are still coming: wait for them.
+        let (window, pending) = self.window(self.ids.len());
+        if !pending.ends_with('\u{FFFD}') {
+            self.text.push_str(&pending[window..]);
+            self.prefix = self.read;
+            self.read = self.ids.len();
+        }
+        let search_from = floor_char(&self.text, self.sent.saturating_sub(self.longest_stop()));
         let stop_at = (self.stops.iter())
             .filter_map(|s| {
-                text[search_from..]
+                self.text[search_from..]
                     .find(s.as_str())
                     .map(|i| search_from + i)
             })
@@ -71,16 +91,14 @@ impl Detokenizer {
                 self.stopped = true;
                 at
             }
-            None => {
-                // A trailing U+FFFD is a character whose bytes are still coming.
-                let whole = text.trim_end_matches('\u{FFFD}').len();
-                floor_char(
-                    &text,
-                    whole.saturating_sub(self.longest_stop().saturating_sub(1)),
-                )
-            }
+            None => floor_char(
+                &self.text,
+                self.text
+                    .len()
+                    .saturating_sub(self.longest_stop().saturating_sub(1)),
+            ),
         };
-        self.take(&text, end)
+        self.take(end)
     }
 
     /// The text still held back, at the end of the generation.
@@ -91,18 +109,31 @@ impl Detokenizer {
         self.flush(self.ids.len())
     }
 
-    /// Everything not yet handed out of the text of the first `ids` ids.
-    fn flush(&mut self, ids: usize) -> String {
-        let text = self.codec.decode(&self.ids[..ids]).unwrap_or_default();
-        let end = text.len();
-        self.take(&text, end)
+    /// The decode window over `ids[prefix..end]`: the length of its context part
+    /// (`ids[prefix..read]`) and its whole text.
+    fn window(&self, end: usize) -> (usize, String) {
+        let decode = |ids: &[u32]| self.codec.decode(ids).unwrap_or_default();
+        let context = decode(&self.ids[self.prefix..self.read]);
+        let all = decode(&self.ids[self.prefix..end]);
+        // Decoding more ids never shortens the text before them; if a tokenizer's cleanup
+        // rewrote the seam anyway, take its text from where the context's ends.
+        (floor_char(&all, context.len()), all)
     }
 
-    fn take(&mut self, text: &str, end: usize) -> String {
+    /// Everything not yet handed out of the text of the first `end` ids.
+    fn flush(&mut self, end: usize) -> String {
+        let (window, pending) = self.window(end);
+        self.text.push_str(&pending[window..]);
+        self.prefix = end;
+        self.read = end;
+        self.take(self.text.len())
+    }
+
+    fn take(&mut self, end: usize) -> String {
         if end <= self.sent {
             return String::new();
         }
-        let out = text[self.sent..end].to_string();
+        let out = self.text[self.sent..end].to_string();
         self.sent = end;
         out
     }
@@ -135,6 +166,22 @@ mod tests {
         let mut parts: Vec<String> = ids.iter().map(|&t| d.push(t)).collect();
         parts.push(d.finish());
         (parts, d.stopped())
+    }
+
+    proptest::proptest! {
+        /// Any ids, special tokens and lone bytes of multi-byte characters included: the
+        /// windowed pieces add up to the text of all ids decoded at once.
+        #[test]
+        fn windowed_decoding_equals_decoding_everything(
+            ids in proptest::collection::vec(0u32..512, 0..120)
+        ) {
+            let c = Arc::new(codec());
+            let whole = c.decode(&ids).unwrap();
+            let mut d = Detokenizer::new(c, Vec::new(), None);
+            let mut text: String = ids.iter().map(|&t| d.push(t)).collect();
+            text.push_str(&d.finish());
+            proptest::prop_assert_eq!(text, whole);
+        }
     }
 
     #[test]
