@@ -108,6 +108,7 @@ fn scheduling(c: &mut Criterion) {
             },
             session: None,
             events,
+            ended_by_client: Default::default(),
         });
     }
     // Prefill everyone (2048-token steps) until all 256 decode.

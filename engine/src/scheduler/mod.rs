@@ -104,7 +104,8 @@ impl Scheduler {
         self.running.is_empty() && self.waiting.is_empty()
     }
 
-    /// Drops requests whose clients went away, freeing their pages.
+    /// Drops requests whose clients went away, freeing their pages: aborted, unless the
+    /// client ended them as complete (a stop string), which counts as finished.
     pub fn abort_cancelled(&mut self) {
         let before = self.waiting.len() + self.running.len();
         self.waiting.retain(|r| !r.cancelled());
@@ -112,13 +113,15 @@ impl Scheduler {
             .into_iter()
             .partition(|r| r.cancelled());
         self.running = kept;
+        let ended = gone.iter().filter(|r| r.ended_by_client()).count();
         for r in gone {
-            tracing::debug!(id = r.id, "client gone: aborted");
+            tracing::debug!(id = r.id, ended = r.ended_by_client(), "client closed");
             self.retire(r);
         }
-        let aborted = before - self.waiting.len() - self.running.len();
-        self.metrics.requests_aborted.add(aborted as u64);
-        if aborted > 0 {
+        let closed = before - self.waiting.len() - self.running.len();
+        self.metrics.requests_finished.add(ended as u64);
+        self.metrics.requests_aborted.add((closed - ended) as u64);
+        if closed > 0 {
             self.publish();
         }
     }

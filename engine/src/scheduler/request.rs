@@ -1,5 +1,7 @@
 //! A request as the scheduler sees it: its tokens, how far its KV is computed, its pages,
 //! its sampling parameters and the channel its events go to.
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use kiln_reference::data::Rng;
@@ -85,6 +87,9 @@ pub struct Submission {
     /// The `x-session-id` it came with, for the logs.
     pub session: Option<String>,
     pub events: UnboundedSender<Event>,
+    /// Set by the client before it drops its receiver when the request ended on its side
+    /// (its text reached a stop string): counted as finished, not aborted.
+    pub ended_by_client: Arc<AtomicBool>,
 }
 
 /// A request inside the scheduler.
@@ -104,6 +109,7 @@ pub(crate) struct Request {
     /// Prompt tokens the cache supplied at first admission (`None` until admitted).
     pub cached: Option<usize>,
     pub events: UnboundedSender<Event>,
+    pub ended_by_client: Arc<AtomicBool>,
     pub arrived: Instant,
     pub last_token_at: Option<Instant>,
 }
@@ -121,6 +127,7 @@ impl Request {
             computed: 0,
             cached: None,
             events: s.events,
+            ended_by_client: s.ended_by_client,
             arrived: Instant::now(),
             last_token_at: None,
         }
@@ -139,6 +146,11 @@ impl Request {
     /// Whether the client went away (its receiver is dropped).
     pub fn cancelled(&self) -> bool {
         self.events.is_closed()
+    }
+
+    /// Whether the client ended the request as complete (a stop string) rather than left.
+    pub fn ended_by_client(&self) -> bool {
+        self.ended_by_client.load(Ordering::Acquire)
     }
 
     pub fn usage(&self) -> Usage {

@@ -86,6 +86,7 @@ impl Run {
             },
             session: None,
             events: tx,
+            ended_by_client: Default::default(),
         });
         rx
     }
@@ -190,6 +191,33 @@ fn a_cancelled_request_returns_its_pages() {
     assert!(run.step().is_none());
     assert_eq!(run.metrics.kv_usage.get(), 0.0);
     assert_eq!(run.metrics.requests_aborted.get(), 1);
+}
+
+#[test]
+fn a_request_its_client_ended_counts_as_finished_not_aborted() {
+    let mut run = Run::new(config(4, 256, 8), 64);
+    let (tx, rx) = unbounded_channel();
+    let ended = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    run.sched.add(Submission {
+        id: 0,
+        prompt: vec![3; 40],
+        params: SamplingParams {
+            max_tokens: 100,
+            ..SamplingParams::default()
+        },
+        session: None,
+        events: tx,
+        ended_by_client: ended.clone(),
+    });
+    run.step();
+    run.step();
+    // What the server does when the text reaches a stop string.
+    ended.store(true, std::sync::atomic::Ordering::Release);
+    drop(rx);
+    assert!(run.step().is_none());
+    assert_eq!(run.metrics.kv_usage.get(), 0.0);
+    assert_eq!(run.metrics.requests_finished.get(), 1);
+    assert_eq!(run.metrics.requests_aborted.get(), 0);
 }
 
 proptest! {

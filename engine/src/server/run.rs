@@ -2,7 +2,7 @@
 //! checked against the model, the request queued (or refused with 503 when the queue is
 //! full), and the engine's events turned into text pieces and a final outcome.
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use axum::http::StatusCode;
@@ -134,7 +134,7 @@ pub fn submit(
     state: &AppState,
     p: &Prepared,
     session: Option<String>,
-) -> Result<(Slot, UnboundedReceiver<Event>), ApiError> {
+) -> Result<(Slot, UnboundedReceiver<Event>, Arc<AtomicBool>), ApiError> {
     let Some(slot) = Slot::take(&state.outstanding, state.max_outstanding) else {
         state.engine.metrics.requests_rejected.add(1);
         return Err(ApiError::with_status(
@@ -148,6 +148,7 @@ pub fn submit(
     };
     tracing::info!(id = p.id, session = ?session, prompt_tokens = p.prompt.len(), "request");
     let (events, rx) = unbounded_channel();
+    let ended_by_client = Arc::new(AtomicBool::new(false));
     state
         .engine
         .submit(Submission {
@@ -156,9 +157,10 @@ pub fn submit(
             params: p.params.clone(),
             session,
             events,
+            ended_by_client: ended_by_client.clone(),
         })
         .map_err(|m| ApiError::with_status(StatusCode::SERVICE_UNAVAILABLE, "engine_stopped", m))?;
-    Ok((slot, rx))
+    Ok((slot, rx, ended_by_client))
 }
 
 /// What a generation produced so far, piece by piece.
@@ -180,6 +182,8 @@ pub struct Outcome {
 pub struct Pieces {
     _slot: Slot,
     rx: UnboundedReceiver<Event>,
+    /// Tells the engine the request ended here (a stop string) when `rx` closes.
+    ended_by_client: Arc<AtomicBool>,
     detok: Detokenizer,
     prompt_tokens: usize,
     cached_tokens: usize,
@@ -191,12 +195,14 @@ impl Pieces {
     pub fn new(
         slot: Slot,
         rx: UnboundedReceiver<Event>,
+        ended_by_client: Arc<AtomicBool>,
         detok: Detokenizer,
         prompt_tokens: usize,
     ) -> Self {
         Pieces {
             _slot: slot,
             rx,
+            ended_by_client,
             detok,
             prompt_tokens,
             cached_tokens: 0,
@@ -229,6 +235,7 @@ impl Pieces {
                 self.ready
                     .push_back(Ok(Piece::Delta { text, ids: vec![t] }));
                 if self.detok.stopped() {
+                    self.ended_by_client.store(true, Ordering::Release);
                     self.rx.close();
                     let usage = Usage {
                         prompt_tokens: self.prompt_tokens,
@@ -274,9 +281,15 @@ pub fn start(
     session: Option<String>,
     end_of_text: Option<u32>,
 ) -> Result<Pieces, ApiError> {
-    let (slot, rx) = submit(state, p, session)?;
+    let (slot, rx, ended_by_client) = submit(state, p, session)?;
     let detok = Detokenizer::new(state.codec.clone(), p.stops.clone(), end_of_text);
-    Ok(Pieces::new(slot, rx, detok, p.prompt.len()))
+    Ok(Pieces::new(
+        slot,
+        rx,
+        ended_by_client,
+        detok,
+        p.prompt.len(),
+    ))
 }
 
 /// A server-sent-event response: `render` turns each piece into JSON chunks; `[DONE]` ends
