@@ -6,8 +6,8 @@
 //! `Tolerance::dot(K, f32, f32)` against `sum |a w|`.
 use cubecl::prelude::*;
 use kiln_kernels::gemm::{
-    bf16_gemm, bf16_grouped_gemm, nvfp4_gemm, nvfp4_grouped_gemm, takes_grouped_skinny,
-    takes_skinny, uses_tensor_cores, Bf16Weights, Nvfp4Weights, WeightFormat,
+    bf16_gemm, bf16_grouped_gemm, gemm_path, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, GemmPath,
+    Nvfp4Weights, WeightFormat,
 };
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};
@@ -182,11 +182,15 @@ pub fn run_gemm<R: Runtime, F: Activation>(
     let actual = out.read(client);
     // The tensor-core path rounds activations to bf16 and applies the NVFP4 global scale
     // to the sum (one more rounding); see `kiln_kernels::gemm`.
-    let skinny = match case.rows_per_expert {
-        Some(_) => takes_grouped_skinny(case.m, case.k, case.n, case.format),
-        None => takes_skinny(case.m, case.k, case.format),
-    };
-    let tensor_cores = uses_tensor_cores(client, case.k) && !skinny;
+    let path = gemm_path(
+        client,
+        case.m,
+        case.n,
+        case.k,
+        case.format,
+        case.rows_per_expert.is_some(),
+    );
+    let tensor_cores = path == GemmPath::TensorCores;
     let tol = if tensor_cores {
         Tolerance::dot(case.k + 1, DType::F32, DType::F32).with_operands(DType::BF16)
     } else {

@@ -43,8 +43,7 @@ type Bf16x8 = Vector<bf16, Const<8>>;
 #[allow(clippy::too_many_arguments)]
 pub fn mma_gemm_kernel<F: Float>(
     a: &Array<Vector<F, Const<4>>>,
-    codes: &Array<Vector<u32, Const<4>>>,
-    bf16_rows: &Array<Bf16x8>,
+    weights: &Array<Vector<u32, Const<4>>>,
     scales: &Array<u32>,
     global_scales: &Array<u32>,
     expert_offsets: &Array<u32>,
@@ -113,8 +112,8 @@ pub fn mma_gemm_kernel<F: Float>(
         let mut w_raw = Array::<Vector<u32, Const<4>>>::new(4usize);
         let mut s_raw = 0u32;
         load_raw(
-            a, codes, bf16_rows, scales, &mut a_raw, &mut w_raw, &mut s_raw, a_row, w_row, k,
-            kt_begin, unit, format,
+            a, weights, scales, &mut a_raw, &mut w_raw, &mut s_raw, a_row, w_row, k, kt_begin,
+            unit, format,
         );
         for kt in kt_begin..kt_end {
             // Activations: 4 vectors of 4 -> 2 vectors of 8 bf16.
@@ -156,8 +155,7 @@ pub fn mma_gemm_kernel<F: Float>(
             sync_cube();
             load_raw(
                 a,
-                codes,
-                bf16_rows,
+                weights,
                 scales,
                 &mut a_raw,
                 &mut w_raw,
@@ -259,8 +257,7 @@ pub fn mma_gemm_kernel<F: Float>(
 #[allow(clippy::too_many_arguments)]
 fn load_raw<F: Float>(
     a: &Array<Vector<F, Const<4>>>,
-    codes: &Array<Vector<u32, Const<4>>>,
-    bf16_rows: &Array<Bf16x8>,
+    weights: &Array<Vector<u32, Const<4>>>,
     scales: &Array<u32>,
     a_raw: &mut Array<Vector<F, Const<4>>>,
     w_raw: &mut Array<Vector<u32, Const<4>>>,
@@ -279,14 +276,12 @@ fn load_raw<F: Float>(
     }
     let part = unit % 2;
     if comptime!(format == WeightFormat::Nvfp4) {
-        w_raw[0] = codes[w_row * (k / 32) + kt * 2 + part];
+        w_raw[0] = weights[w_row * (k / 32) + kt * 2 + part];
         *s_raw = scales[(w_row * (k / 16) + kt * 4 + part * 2) / 4];
     } else {
         #[unroll]
         for j in 0..4usize {
-            w_raw[j] = Vector::<u32, Const<4>>::reinterpret(
-                bf16_rows[w_row * (k / 8) + kt * 8 + part * 4 + j],
-            );
+            w_raw[j] = weights[w_row * (k / 8) + kt * 8 + part * 4 + j];
         }
     }
 }

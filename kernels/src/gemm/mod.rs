@@ -18,7 +18,7 @@
 //!   registers and a cube-level reduction;
 //! - `mma` (CUDA tensor cores, `K % 64 == 0`) for larger M and for the grouped GEMM:
 //!   64 x 128 tiles, weights decoded into shared memory as bf16, `mma.sync` on bf16
-//!   operands ([`uses_tensor_cores`] says when it runs);
+//!   operands ([`gemm_path`] says which kernel a GEMM runs);
 //! - the correct-first kernel (one unit per output element) for everything else (wgpu).
 mod kernel;
 mod mma;
@@ -152,12 +152,10 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
     }
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
-    if takes_skinny(m, w.k, WeightFormat::Nvfp4) {
-        launch_skinny_nvfp4_unchecked(client, a, m, w, None, out);
-    } else if uses_tensor_cores(client, w.k) {
-        launch_mma(client, a, m, Operand::Nvfp4(w), None, out);
-    } else {
-        launch_nvfp4_unchecked(client, a, m, w, None, out);
+    match gemm_path(client, m, w.n, w.k, WeightFormat::Nvfp4, false) {
+        GemmPath::Skinny => launch_skinny_nvfp4_unchecked(client, a, m, w, None, out),
+        GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), None, out),
+        GemmPath::Portable => launch_nvfp4_unchecked(client, a, m, w, None, out),
     }
     Ok(())
 }
@@ -176,12 +174,11 @@ pub fn nvfp4_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
-    if takes_grouped_skinny(m, w.k, w.n, WeightFormat::Nvfp4) {
-        launch_skinny_nvfp4_unchecked(client, a, m, w, Some(expert_offsets), out);
-    } else if uses_tensor_cores(client, w.k) {
-        launch_mma(client, a, m, Operand::Nvfp4(w), Some(expert_offsets), out);
-    } else {
-        launch_nvfp4_unchecked(client, a, m, w, Some(expert_offsets), out);
+    let offsets = Some(expert_offsets);
+    match gemm_path(client, m, w.n, w.k, WeightFormat::Nvfp4, true) {
+        GemmPath::Skinny => launch_skinny_nvfp4_unchecked(client, a, m, w, offsets, out),
+        GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), offsets, out),
+        GemmPath::Portable => launch_nvfp4_unchecked(client, a, m, w, offsets, out),
     }
     Ok(())
 }
@@ -204,12 +201,10 @@ pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
     }
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
-    if takes_skinny(m, w.k, WeightFormat::Bf16) {
-        launch_skinny_bf16_unchecked(client, a, m, w, None, out);
-    } else if uses_tensor_cores(client, w.k) {
-        launch_mma(client, a, m, Operand::Bf16(w), None, out);
-    } else {
-        launch_bf16_unchecked(client, a, m, w, None, out);
+    match gemm_path(client, m, w.n, w.k, WeightFormat::Bf16, false) {
+        GemmPath::Skinny => launch_skinny_bf16_unchecked(client, a, m, w, None, out),
+        GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), None, out),
+        GemmPath::Portable => launch_bf16_unchecked(client, a, m, w, None, out),
     }
     Ok(())
 }
@@ -226,12 +221,11 @@ pub fn bf16_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
-    if takes_grouped_skinny(m, w.k, w.n, WeightFormat::Bf16) {
-        launch_skinny_bf16_unchecked(client, a, m, w, Some(expert_offsets), out);
-    } else if uses_tensor_cores(client, w.k) {
-        launch_mma(client, a, m, Operand::Bf16(w), Some(expert_offsets), out);
-    } else {
-        launch_bf16_unchecked(client, a, m, w, Some(expert_offsets), out);
+    let offsets = Some(expert_offsets);
+    match gemm_path(client, m, w.n, w.k, WeightFormat::Bf16, true) {
+        GemmPath::Skinny => launch_skinny_bf16_unchecked(client, a, m, w, offsets, out),
+        GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), offsets, out),
+        GemmPath::Portable => launch_bf16_unchecked(client, a, m, w, offsets, out),
     }
     Ok(())
 }
@@ -334,10 +328,45 @@ pub fn launch_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
     }
 }
 
+/// Which kernel a GEMM runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmPath {
+    /// The decode GEMV ([`takes_skinny`], [`takes_grouped_skinny`]).
+    Skinny,
+    /// The tiled tensor-core kernel (CUDA; rounds activations to bf16).
+    TensorCores,
+    /// The one-unit-per-output kernel (everywhere else).
+    Portable,
+}
+
+/// The kernel an `m x n x k` GEMM (grouped or dense) runs on this device; the public
+/// launches dispatch on it, and tests read it to know which rounding to expect.
+pub fn gemm_path<R: Runtime>(
+    client: &ComputeClient<R>,
+    m: usize,
+    n: usize,
+    k: usize,
+    format: WeightFormat,
+    grouped: bool,
+) -> GemmPath {
+    let skinny = if grouped {
+        takes_grouped_skinny(m, k, n, format)
+    } else {
+        takes_skinny(m, k, format)
+    };
+    if skinny {
+        GemmPath::Skinny
+    } else if uses_tensor_cores(client, k) {
+        GemmPath::TensorCores
+    } else {
+        GemmPath::Portable
+    }
+}
+
 /// True when a GEMM with rows of `k` elements that is not skinny runs on the tensor cores:
 /// `k % 64 == 0` on a device with bf16 `mma.sync m16n8k16`, `ldmatrix` and plane sums.
 /// That path rounds the activations to bf16 (see `mma.rs`).
-pub fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, k: usize) -> bool {
+fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, k: usize) -> bool {
     k % mma::BK as usize == 0 && crate::tensor_cores::has_bf16_mma(client)
 }
 
@@ -413,7 +442,6 @@ fn launch_mma<R: Runtime, F: Float + CubeElement>(
             CubeCount::Static(m_tiles, n_tiles, splits),
             CubeDim::new_1d(mma::UNITS),
             a.arg(),
-            data.arg(),
             data.arg(),
             scales.arg(),
             globals,
