@@ -6,12 +6,12 @@
 //! `Tolerance::dot(K, f32, f32)` against `sum |a w|`.
 use cubecl::prelude::*;
 use kiln_kernels::gemm::{
-    bf16_gemm, bf16_grouped_gemm, gemm_path, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, GemmPath,
-    Nvfp4Weights, WeightFormat,
+    bf16_gemm, bf16_grouped_gemm, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, Nvfp4Weights,
+    WeightFormat,
 };
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};
-use kiln_reference::formats::{bf16_encode, bf16_round, pack_u16_words, pack_u8_words};
+use kiln_reference::formats::{bf16_encode, bf16_round, pack_u16_words};
 use kiln_reference::gemm;
 use kiln_reference::nvfp4::{quantize_experts, Nvfp4Matrix};
 use kiln_reference::tolerance::{compare, DType, Tolerance};
@@ -85,7 +85,8 @@ enum Weights {
     Bf16(Bf16Weights),
 }
 
-/// Uploads reference-quantized experts in the kernel's layout.
+/// Uploads reference-quantized experts in the layout the device's kernels read
+/// (re-laid out into MMA fragments on CUDA where the shape tiles).
 pub fn upload_weights<R: Runtime>(
     client: &ComputeClient<R>,
     experts: &[Nvfp4Matrix],
@@ -97,14 +98,8 @@ pub fn upload_weights<R: Runtime>(
         .flat_map(|e| e.scales.iter().copied())
         .collect();
     let globals: Vec<f32> = experts.iter().map(|e| e.global_scale).collect();
-    Nvfp4Weights {
-        packed: DeviceArray::upload(client, &packed),
-        scales: DeviceArray::upload(client, &pack_u8_words(&scale_bytes)),
-        global_scales: DeviceArray::upload(client, &globals),
-        experts: experts.len(),
-        n,
-        k,
-    }
+    Nvfp4Weights::upload(client, &packed, &scale_bytes, &globals, experts.len(), n, k)
+        .expect("quantized experts match their shape")
 }
 
 /// Runs the case on the device and against the reference.
@@ -180,17 +175,14 @@ pub fn run_gemm<R: Runtime, F: Activation>(
         ),
     };
     let actual = out.read(client);
-    // The tensor-core path rounds activations to bf16 and applies the NVFP4 global scale
+    // The tensor-core paths round activations to bf16 and apply the NVFP4 global scale
     // to the sum (one more rounding); see `kiln_kernels::gemm`.
-    let path = gemm_path(
-        client,
-        case.m,
-        case.n,
-        case.k,
-        case.format,
-        case.rows_per_expert.is_some(),
-    );
-    let tensor_cores = path == GemmPath::TensorCores;
+    let grouped = case.rows_per_expert.is_some();
+    let path = match &weights {
+        Weights::Nvfp4(w) => w.path(client, case.m, grouped),
+        Weights::Bf16(w) => w.path(client, case.m, grouped),
+    };
+    let tensor_cores = path.rounds_activations();
     let tol = if tensor_cores {
         Tolerance::dot(case.k + 1, DType::F32, DType::F32).with_operands(DType::BF16)
     } else {
@@ -208,7 +200,7 @@ pub fn run_gemm<R: Runtime, F: Activation>(
         case.shape(),
         F::NAME,
         if tensor_cores {
-            format!("gamma_{}(f32) + bf16 operands (tensor cores)", case.k + 1)
+            format!("gamma_{}(f32) + bf16 operands ({path:?})", case.k + 1)
         } else {
             format!("gamma_{}(f32)", case.k)
         },

@@ -40,7 +40,6 @@ mod decode {
     use kiln_kernels::gemm::{bf16_gemm, nvfp4_gemm, Bf16Weights, Nvfp4Weights};
     use kiln_kernels::DeviceArray;
     use kiln_reference::data::Rng;
-    use kiln_reference::formats::pack_u8_words;
     use kiln_reference::nvfp4::Nvfp4Matrix;
     use kiln_reference::tolerance::{DType, Tolerance};
 
@@ -141,15 +140,11 @@ mod decode {
         let copies = 256_000_000usize.div_ceil(bytes).clamp(1, 40);
         if nvfp4 {
             let q = random_nvfp4(rng, n, k);
-            let (packed, scales) = (q.packed_words(), pack_u8_words(&q.scales));
+            let packed = q.packed_words();
             let w = (0..copies)
-                .map(|_| Nvfp4Weights {
-                    packed: DeviceArray::upload(client, &packed),
-                    scales: DeviceArray::upload(client, &scales),
-                    global_scales: DeviceArray::upload(client, &[q.global_scale]),
-                    experts: 1,
-                    n,
-                    k,
+                .map(|_| {
+                    Nvfp4Weights::upload(client, &packed, &q.scales, &[q.global_scale], 1, n, k)
+                        .expect("a quantized matrix matches its shape")
                 })
                 .collect();
             (Weights::Nvfp4(w, q), bytes)

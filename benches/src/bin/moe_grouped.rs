@@ -33,7 +33,8 @@ mod moe {
     use kiln_benches::device_time::{Client, SpinTimer};
     use kiln_benches::{fill_word, HBM_BYTES_PER_S};
     use kiln_kernels::fill::fill_random_bits;
-    use kiln_kernels::gemm::{nvfp4_grouped_gemm, Nvfp4Weights};
+    use kiln_kernels::gemm::fragments::to_fragments;
+    use kiln_kernels::gemm::{nvfp4_grouped_gemm, nvfp4_layout, Nvfp4Layout, Nvfp4Weights};
     use kiln_kernels::DeviceArray;
     use kiln_reference::data::Rng;
     use kiln_reference::formats::{e2m1_decode, e4m3_decode};
@@ -78,13 +79,20 @@ mod moe {
         let scales = DeviceArray::<u32>::uninit(client, EXPERTS * n * k / 64);
         fill_random_bits(client, &packed, CODE_SEED, u32::MAX, 0).expect("fits");
         fill_random_bits(client, &scales, SCALE_SEED, SCALE_MASKS.0, SCALE_MASKS.1).expect("fits");
-        Nvfp4Weights {
+        let row_major = Nvfp4Weights {
             packed,
             scales,
             global_scales: DeviceArray::upload(client, &[GLOBAL; EXPERTS]),
             experts: EXPERTS,
             n,
             k,
+            layout: Nvfp4Layout::RowMajor,
+        };
+        // The engine's load-time re-layout (the check above reads row-major positions, so it
+        // covers the re-layout too).
+        match nvfp4_layout(client, n, k) {
+            Nvfp4Layout::Fragments => to_fragments(client, &row_major).expect("valid weights"),
+            Nvfp4Layout::RowMajor => row_major,
         }
     }
 

@@ -14,6 +14,12 @@
 //! finds its (expert, tile) with a prefix sum of the experts' tile counts over its 256
 //! units, so no expert's tile mixes rows of two experts and no host sync is needed.
 //!
+//! NVFP4 weights in the fragment layout (`fragments.rs`) are decoded into shared memory as
+//! the B fragments themselves, `[tile of 16 rows][step][lane]`, one 16-byte read per lane,
+//! tile and step; the activations go into shared memory in the same permuted column order
+//! within each 16 columns (fragment column `2c + b` holds column `4c + b`, `2c + 8 + b` holds
+//! `4c + 2 + b`), so `ldmatrix` hands every lane the columns its weights have.
+//!
 //! Rounding: activations are rounded to bf16 (weights are exact in bf16); the conformance
 //! tolerance adds one bf16 rounding per product (`Tolerance::with_operands`).
 use cubecl::prelude::*;
@@ -54,6 +60,7 @@ pub fn mma_gemm_kernel<F: Float>(
     experts: u32,
     #[comptime] grouped: bool,
     #[comptime] format: WeightFormat,
+    #[comptime] fragments: bool,
 ) {
     let unit = UNIT_POS_X as usize;
     let warp = unit / 32;
@@ -110,30 +117,55 @@ pub fn mma_gemm_kernel<F: Float>(
         let part = unit % 2;
         let mut a_raw = Array::<Vector<F, Const<4>>>::new(4usize);
         let mut w_raw = Array::<Vector<u32, Const<4>>>::new(4usize);
-        let mut s_raw = 0u32;
+        let mut s_raw = Array::<u32>::new(2usize);
+        let w_tile = (expert * n + min(n0 + (unit / 32) * 16, n - 1)) / 16;
         load_raw(
-            a, weights, scales, &mut a_raw, &mut w_raw, &mut s_raw, a_row, w_row, k, kt_begin,
-            unit, format,
+            a, weights, scales, &mut a_raw, &mut w_raw, &mut s_raw, a_row, w_row, w_tile, k,
+            kt_begin, unit, format, fragments,
         );
         for kt in kt_begin..kt_end {
-            // Activations: 4 vectors of 4 -> 2 vectors of 8 bf16.
+            // Activations: 4 vectors of 4 -> 2 vectors of 8 bf16 (16 columns, permuted for
+            // fragment-layout weights).
             #[unroll]
             for h in 0..2usize {
-                let lo = a_raw[h * 2];
-                let hi = a_raw[h * 2 + 1];
                 let mut v = Bf16x8::empty();
                 #[unroll]
-                for e in 0..4usize {
-                    v[e] = bf16::cast_from(lo[e]);
-                    v[e + 4] = bf16::cast_from(hi[e]);
+                for e in 0..8usize {
+                    // Fragment columns 2c + b (h = 0) and 2c + 8 + b (h = 1) hold 4c + 2h + b.
+                    let vec = comptime!(if fragments { e / 2 } else { 2 * h + e / 4 });
+                    let lane_in = comptime!(if fragments { 2 * h + e % 2 } else { e % 4 });
+                    v[e] = bf16::cast_from(a_raw[vec][lane_in]);
                 }
                 a_s[(unit / 4) * STRIDE + (unit % 4) * 2 + h] = v;
             }
             // Weights: 32 values -> 4 vectors of 8 bf16.
-            if comptime!(format == WeightFormat::Nvfp4) {
+            if comptime!(fragments) {
+                // One fragment word per step: registers R0..R3 (rows g, g + 8, g, g + 8),
+                // each from nibbles 3 - i (low) and 7 - i (high).
+                #[unroll]
+                for s in 0..4usize {
+                    let word = w_raw[0][s];
+                    let scale_word = s_raw[s / 2] >> comptime!(16 * (s as u32 % 2));
+                    let s_g = e4m3_to_f32(scale_word & 0xff);
+                    let s_g8 = e4m3_to_f32((scale_word >> 8) & 0xff);
+                    let mut v = Bf16x8::empty();
+                    #[unroll]
+                    for i in 0..4u32 {
+                        let mut scale = s_g8;
+                        if comptime!(i % 2 == 0) {
+                            scale = s_g;
+                        }
+                        let lo = e2m1_to_f32(word >> comptime!(4 * (3 - i)));
+                        let hi = e2m1_to_f32(word >> comptime!(4 * (7 - i)));
+                        v[2 * i as usize] = bf16::cast_from(lo * scale);
+                        v[2 * i as usize + 1] = bf16::cast_from(hi * scale);
+                    }
+                    w_s[((unit / 32) * 4 + s) * 32 + lane] = v;
+                }
+            } else if comptime!(format == WeightFormat::Nvfp4) {
                 let s_shift = (((kt * 4 + part * 2) % 4) * 8) as u32;
-                let s0 = e4m3_to_f32((s_raw >> s_shift) & 0xff);
-                let s1 = e4m3_to_f32((s_raw >> (s_shift + 8)) & 0xff);
+                let s0 = e4m3_to_f32((s_raw[0] >> s_shift) & 0xff);
+                let s1 = e4m3_to_f32((s_raw[0] >> (s_shift + 8)) & 0xff);
                 let word4 = w_raw[0];
                 #[unroll]
                 for j in 0..4usize {
@@ -162,10 +194,12 @@ pub fn mma_gemm_kernel<F: Float>(
                 &mut s_raw,
                 a_row,
                 w_row,
+                w_tile,
                 k,
                 min(kt + 1, kt_end - 1),
                 unit,
                 format,
+                fragments,
             );
 
             #[unroll]
@@ -188,14 +222,32 @@ pub fn mma_gemm_kernel<F: Float>(
                 }
                 #[unroll]
                 for np in 0..2usize {
-                    let r = wn * 32 + np * 16 + (lane / 16) * 8 + lane % 8;
-                    let at = r * STRIDE + ks * 2 + (lane / 8) % 2;
-                    let bf = mma.load_matrix::<Bf16x8, Const<2>>(
-                        &w_s.slice(at, at + 1),
-                        cmma::MatrixIdent::B,
-                        4usize,
-                        false,
-                    );
+                    let mut bf = Array::<Frag>::new(4usize);
+                    if comptime!(fragments) {
+                        // (R0, R2) serve rows g, (R1, R3) rows g + 8.
+                        let v = w_s[((wn * 2 + np) * 4 + ks) * 32 + lane];
+                        #[unroll]
+                        for f in 0..4usize {
+                            let r = comptime!((f % 2) * 2 + f / 2);
+                            let mut frag = Frag::empty();
+                            frag[0] = v[2 * r];
+                            frag[1] = v[2 * r + 1];
+                            bf[f] = frag;
+                        }
+                    } else {
+                        let r = wn * 32 + np * 16 + (lane / 16) * 8 + lane % 8;
+                        let at = r * STRIDE + ks * 2 + (lane / 8) % 2;
+                        let m = mma.load_matrix::<Bf16x8, Const<2>>(
+                            &w_s.slice(at, at + 1),
+                            cmma::MatrixIdent::B,
+                            4usize,
+                            false,
+                        );
+                        #[unroll]
+                        for f in 0..4usize {
+                            bf[f] = m[f];
+                        }
+                    }
                     #[unroll]
                     for half in 0..2usize {
                         let mut b = Array::<Frag>::new(2usize);
@@ -261,13 +313,15 @@ fn load_raw<F: Float>(
     scales: &Array<u32>,
     a_raw: &mut Array<Vector<F, Const<4>>>,
     w_raw: &mut Array<Vector<u32, Const<4>>>,
-    s_raw: &mut u32,
+    s_raw: &mut Array<u32>,
     a_row: usize,
     w_row: usize,
+    w_tile: usize,
     k: usize,
     kt: usize,
     unit: usize,
     #[comptime] format: WeightFormat,
+    #[comptime] fragments: bool,
 ) {
     let a_at = (a_row * k + kt * 64 + (unit % 4) * 16) / 4;
     #[unroll]
@@ -275,9 +329,16 @@ fn load_raw<F: Float>(
         a_raw[i] = a[a_at + i];
     }
     let part = unit % 2;
-    if comptime!(format == WeightFormat::Nvfp4) {
+    if comptime!(fragments) {
+        // Tile `unit / 32` of the cube's 8, lane `unit % 32`; its 8 scale bytes.
+        let tile = w_tile * (k / 64) + kt;
+        let lane = unit % 32;
+        w_raw[0] = weights[tile * 32 + lane];
+        s_raw[0] = scales[tile * 16 + (lane / 4) * 2];
+        s_raw[1] = scales[tile * 16 + (lane / 4) * 2 + 1];
+    } else if comptime!(format == WeightFormat::Nvfp4) {
         w_raw[0] = weights[w_row * (k / 32) + kt * 2 + part];
-        *s_raw = scales[(w_row * (k / 16) + kt * 4 + part * 2) / 4];
+        s_raw[0] = scales[(w_row * (k / 16) + kt * 4 + part * 2) / 4];
     } else {
         #[unroll]
         for j in 0..4usize {

@@ -4,27 +4,34 @@
 //!   element), one E4M3 scale per 16 consecutive elements along K, one f32 global scale per
 //!   matrix; `w = e2m1 * scale * global_scale`, evaluated in that order so the product is
 //!   bit-exact with `kiln_reference::nvfp4`. Neither sm_90 nor wgpu has FP4 arithmetic, so
-//!   codes and scales are decoded in registers;
+//!   codes and scales are decoded in registers. On devices with bf16 tensor cores the codes
+//!   and scales are re-laid out at load time in the MMA's fragment order ([`fragments`]);
 //! - bf16: the attention, dense-MLP, shared-expert and lm_head projections.
 //!
 //! The grouped variant serves MoE: the rows of `A` are ordered by expert and
 //! `expert_offsets[e]..expert_offsets[e + 1]` are expert `e`'s rows; the offsets are read on
 //! the device (no host sync), so a decode step that routes on the device can call it.
 //!
-//! Three kernels, chosen by the public launches:
-//! - [`skinny`] for decode (dense `M <= 16`; grouped `M <= 1024`, a cube per run of one
-//!   expert's rows so only touched experts are read; `K % 32 == 0` for NVFP4, `K % 8 == 0`
-//!   for bf16): a bandwidth-oriented GEMV with coalesced 16-byte weight loads, decode in
-//!   registers and a cube-level reduction;
+//! Four kernels ([`GemmPath`] says which one a GEMM runs):
+//! - `gemv` (CUDA tensor cores) for decode: dense `M <= 16`, grouped `M <= 1024`, NVFP4 in
+//!   the fragment layout or bf16 with `K % 64 == 0`: weights straight from global memory into
+//!   MMA fragments, a cube per run of one expert's rows so only touched experts are read;
+//! - [`skinny`] for decode elsewhere (`K % 32 == 0` for NVFP4, `K % 8 == 0` for bf16): a
+//!   bandwidth-oriented GEMV with coalesced 16-byte weight loads, decode in registers and a
+//!   cube-level reduction;
 //! - `mma` (CUDA tensor cores, `K % 64 == 0`) for larger M and for the grouped GEMM:
 //!   64 x 128 tiles, weights decoded into shared memory as bf16, `mma.sync` on bf16
-//!   operands ([`gemm_path`] says which kernel a GEMM runs);
+//!   operands;
 //! - the correct-first kernel (one unit per output element) for everything else (wgpu).
+pub mod fragments;
+mod gemv;
 mod kernel;
 mod mma;
 mod skinny;
 
 use cubecl::prelude::*;
+
+pub use fragments::Nvfp4Layout;
 
 use crate::buffer::{check_index_space, check_len};
 use crate::{DeviceArray, KernelError};
@@ -49,16 +56,18 @@ pub enum WeightFormat {
 
 /// `experts` NVFP4 matrices of shape `[n, k]` on the device (`experts = 1` for a dense layer).
 pub struct Nvfp4Weights {
-    /// E2M1 codes, eight per word, element `8w + j` in bits `4j..4j + 4` of word `w`;
-    /// expert after expert, row-major within an expert.
+    /// E2M1 codes, eight per word, expert after expert; within an expert, `layout` says
+    /// where a code sits (row-major: element `8w + j` in bits `4j..4j + 4` of word `w`).
     pub packed: DeviceArray<u32>,
-    /// E4M3 block-scale bytes, four per word (little-endian), laid out as `[experts, n, k / 16]`.
+    /// E4M3 block-scale bytes, four per word (little-endian), expert after expert
+    /// (row-major: `[experts, n, k / 16]`).
     pub scales: DeviceArray<u32>,
     /// One f32 global scale per expert (`amax / (6 * 448)`).
     pub global_scales: DeviceArray<f32>,
     pub experts: usize,
     pub n: usize,
     pub k: usize,
+    pub layout: Nvfp4Layout,
 }
 
 /// `experts` bf16 matrices `[n, k]` on the device, two values per word (element `2i` in the
@@ -104,7 +113,80 @@ impl Nvfp4Weights {
             &self.scales,
             (elems / BLOCK).div_ceil(4),
         )?;
-        check_len("NVFP4 global scales", &self.global_scales, self.experts)
+        check_len("NVFP4 global scales", &self.global_scales, self.experts)?;
+        if self.layout == Nvfp4Layout::Fragments && !fragments::shape_fits(self.n, self.k) {
+            return Err(KernelError::Alignment {
+                what: "N and K of fragment-layout NVFP4 weights (16 and 64)",
+                value: self.n * self.k,
+                multiple: fragments::TILE_ROWS * fragments::TILE_K,
+            });
+        }
+        Ok(())
+    }
+
+    /// Uploads `experts` row-major matrices (codes eight per word, scale bytes
+    /// `[experts, n, k / 16]`, one global scale per expert) in the layout this device's
+    /// kernels read fastest ([`nvfp4_layout`]; re-laid out on the device).
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload<R: Runtime>(
+        client: &ComputeClient<R>,
+        codes: &[u32],
+        scale_bytes: &[u8],
+        global_scales: &[f32],
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Self, KernelError> {
+        let row_major = Nvfp4Weights {
+            packed: DeviceArray::upload(client, codes),
+            scales: DeviceArray::upload(client, &pack_bytes(scale_bytes)),
+            global_scales: DeviceArray::upload(client, global_scales),
+            experts,
+            n,
+            k,
+            layout: Nvfp4Layout::RowMajor,
+        };
+        row_major.validate()?;
+        if nvfp4_layout(client, n, k) == Nvfp4Layout::Fragments
+            && fragments::fragments_hold(scale_bytes)
+        {
+            fragments::to_fragments(client, &row_major)
+        } else {
+            Ok(row_major)
+        }
+    }
+
+    /// Which kernel a GEMM of `m` rows over these weights runs on this device.
+    pub fn path<R: Runtime>(&self, client: &ComputeClient<R>, m: usize, grouped: bool) -> GemmPath {
+        let fragments = self.layout == Nvfp4Layout::Fragments;
+        gemm_path(
+            client,
+            m,
+            self.n,
+            self.k,
+            WeightFormat::Nvfp4,
+            fragments,
+            grouped,
+        )
+    }
+}
+
+/// Bytes packed little-endian into words (the last word zero-padded).
+fn pack_bytes(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks(4)
+        .map(|c| c.iter().rev().fold(0u32, |w, &b| (w << 8) | b as u32))
+        .collect()
+}
+
+/// The layout [`Nvfp4Weights::upload`] gives `[n, k]` matrices with finite, non-negative
+/// block scales on this device: fragments where the tensor-core kernels run and the shape
+/// tiles, row-major elsewhere.
+pub fn nvfp4_layout<R: Runtime>(client: &ComputeClient<R>, n: usize, k: usize) -> Nvfp4Layout {
+    if fragments::shape_fits(n, k) && crate::tensor_cores::has_bf16_mma(client) {
+        Nvfp4Layout::Fragments
+    } else {
+        Nvfp4Layout::RowMajor
     }
 }
 
@@ -132,6 +214,19 @@ impl Bf16Weights {
             self.experts * self.n * self.k / 2,
         )
     }
+
+    /// Which kernel a GEMM of `m` rows over these weights runs on this device.
+    pub fn path<R: Runtime>(&self, client: &ComputeClient<R>, m: usize, grouped: bool) -> GemmPath {
+        gemm_path(
+            client,
+            m,
+            self.n,
+            self.k,
+            WeightFormat::Bf16,
+            false,
+            grouped,
+        )
+    }
 }
 
 /// Dense NVFP4 GEMM: `out[m, n] = sum_k a[m, k] * w[n, k]`. `out` must hold `m * n` f32.
@@ -152,7 +247,8 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
     }
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
-    match gemm_path(client, m, w.n, w.k, WeightFormat::Nvfp4, false) {
+    match w.path(client, m, false) {
+        GemmPath::Gemv => launch_gemv(client, a, m, Operand::Nvfp4(w), None, out),
         GemmPath::Skinny => launch_skinny_nvfp4_unchecked(client, a, m, w, None, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), None, out),
         GemmPath::Portable => launch_nvfp4_unchecked(client, a, m, w, None, out),
@@ -175,7 +271,8 @@ pub fn nvfp4_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     validate(client, a, m, w.n, w.k, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
     let offsets = Some(expert_offsets);
-    match gemm_path(client, m, w.n, w.k, WeightFormat::Nvfp4, true) {
+    match w.path(client, m, true) {
+        GemmPath::Gemv => launch_gemv(client, a, m, Operand::Nvfp4(w), offsets, out),
         GemmPath::Skinny => launch_skinny_nvfp4_unchecked(client, a, m, w, offsets, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), offsets, out),
         GemmPath::Portable => launch_nvfp4_unchecked(client, a, m, w, offsets, out),
@@ -201,7 +298,8 @@ pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
     }
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
-    match gemm_path(client, m, w.n, w.k, WeightFormat::Bf16, false) {
+    match w.path(client, m, false) {
+        GemmPath::Gemv => launch_gemv(client, a, m, Operand::Bf16(w), None, out),
         GemmPath::Skinny => launch_skinny_bf16_unchecked(client, a, m, w, None, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), None, out),
         GemmPath::Portable => launch_bf16_unchecked(client, a, m, w, None, out),
@@ -222,7 +320,8 @@ pub fn bf16_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     validate(client, a, m, w.n, w.k, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
     let offsets = Some(expert_offsets);
-    match gemm_path(client, m, w.n, w.k, WeightFormat::Bf16, true) {
+    match w.path(client, m, true) {
+        GemmPath::Gemv => launch_gemv(client, a, m, Operand::Bf16(w), offsets, out),
         GemmPath::Skinny => launch_skinny_bf16_unchecked(client, a, m, w, offsets, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), offsets, out),
         GemmPath::Portable => launch_bf16_unchecked(client, a, m, w, offsets, out),
@@ -331,7 +430,9 @@ pub fn launch_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
 /// Which kernel a GEMM runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmPath {
-    /// The decode GEMV ([`takes_skinny`], [`takes_grouped_skinny`]).
+    /// The tensor-core decode GEMM (CUDA; rounds activations to bf16).
+    Gemv,
+    /// The decode GEMV elsewhere ([`takes_skinny`], [`takes_grouped_skinny`]).
     Skinny,
     /// The tiled tensor-core kernel (CUDA; rounds activations to bf16).
     TensorCores,
@@ -339,24 +440,37 @@ pub enum GemmPath {
     Portable,
 }
 
-/// The kernel an `m x n x k` GEMM (grouped or dense) runs on this device; the public
-/// launches dispatch on it, and tests read it to know which rounding to expect.
-pub fn gemm_path<R: Runtime>(
+impl GemmPath {
+    /// True when the kernel rounds the activations to bf16 (the tensor-core paths).
+    pub fn rounds_activations(self) -> bool {
+        matches!(self, GemmPath::Gemv | GemmPath::TensorCores)
+    }
+}
+
+/// The kernel an `m x n x k` GEMM (grouped or dense; NVFP4 in the fragment layout when
+/// `fragments`) runs on this device; the public launches dispatch on it, and tests read it
+/// (through the weights' `path`) to know which rounding to expect.
+fn gemm_path<R: Runtime>(
     client: &ComputeClient<R>,
     m: usize,
     n: usize,
     k: usize,
     format: WeightFormat,
+    fragments: bool,
     grouped: bool,
 ) -> GemmPath {
-    let skinny = if grouped {
+    let decode = if grouped {
         takes_grouped_skinny(m, k, n, format)
     } else {
         takes_skinny(m, k, format)
     };
-    if skinny {
+    let tensor_cores = uses_tensor_cores(client, k);
+    let gemv_weights = fragments || (format == WeightFormat::Bf16 && tensor_cores);
+    if decode && gemv_weights {
+        GemmPath::Gemv
+    } else if decode {
         GemmPath::Skinny
-    } else if uses_tensor_cores(client, k) {
+    } else if tensor_cores {
         GemmPath::TensorCores
     } else {
         GemmPath::Portable
@@ -370,7 +484,7 @@ fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, k: usize) -> bool {
     k % mma::BK as usize == 0 && crate::tensor_cores::has_bf16_mma(client)
 }
 
-/// The weight operand of [`launch_mma`].
+/// The weight operand of [`launch_mma`] and [`launch_gemv`].
 enum Operand<'a> {
     Nvfp4(&'a Nvfp4Weights),
     Bf16(&'a Bf16Weights),
@@ -386,6 +500,7 @@ fn launch_mma<R: Runtime, F: Float + CubeElement>(
     expert_offsets: Option<&DeviceArray<u32>>,
     out: &DeviceArray<f32>,
 ) {
+    let fragments = matches!(w, Operand::Nvfp4(w) if w.layout == Nvfp4Layout::Fragments);
     let (data, scales, globals, format, experts, n, k) = match w {
         Operand::Nvfp4(w) => {
             let globals = w.global_scales.arg();
@@ -453,6 +568,7 @@ fn launch_mma<R: Runtime, F: Float + CubeElement>(
             experts as u32,
             expert_offsets.is_some(),
             format,
+            fragments,
         );
         if let Some(scratch) = &scratch {
             let len4 = (m * n / 4) as u32;
@@ -468,6 +584,93 @@ fn launch_mma<R: Runtime, F: Float + CubeElement>(
                 splits,
             );
         }
+    }
+}
+
+/// Launches the tensor-core decode GEMM (grouped when `expert_offsets` is given). Trusts
+/// validated shapes, `k % 64 == 0` and NVFP4 weights in the fragment layout.
+fn launch_gemv<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: Operand<'_>,
+    expert_offsets: Option<&DeviceArray<u32>>,
+    out: &DeviceArray<f32>,
+) {
+    let (data, scales, globals, nvfp4, experts, n, k) = match w {
+        Operand::Nvfp4(w) => (
+            &w.packed,
+            &w.scales,
+            w.global_scales.arg(),
+            true,
+            w.experts,
+            w.n,
+            w.k,
+        ),
+        Operand::Bf16(w) => (&w.data, &w.data, w.data.arg(), false, w.experts, w.n, w.k),
+    };
+    let grouped = expert_offsets.is_some();
+    let sms = client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .unwrap_or(1) as usize;
+    let row_tiles = n.div_ceil(16);
+    // Two tiles per cube halve the activation work where N still gives >= 4 cubes per SM.
+    let tiles = if !grouped && row_tiles >= 8 * sms {
+        2
+    } else {
+        1
+    };
+    let cubes = row_tiles.div_ceil(tiles);
+    // The time is DRAM latency unless each SM has ~100 KB of loads in flight: ~32 warps per
+    // SM (dense layers with few row tiles split K over more warps per cube), each loading
+    // up to 4 KB of weights (all of its chunks where they fit) before decoding any.
+    let chunks = k / 64;
+    let warps = if grouped {
+        4
+    } else {
+        (32 * sms)
+            .div_ceil(cubes)
+            .next_power_of_two()
+            .clamp(2, 16)
+            .min(chunks.max(1))
+    };
+    let max_depth = if nvfp4 { 8 / tiles } else { 4 / tiles };
+    let depth = chunks.div_ceil(warps).clamp(1, max_depth);
+    let groups = if !grouped && m > 8 { 2 } else { 1 };
+    let cfg = gemv::GemvConfig {
+        nvfp4,
+        tiles: tiles as u32,
+        groups,
+        warps: warps as u32,
+        depth: depth as u32,
+        grouped,
+    };
+    let y = if grouped {
+        m as u32
+    } else {
+        (m as u32).div_ceil(8 * groups)
+    };
+    let offsets = expert_offsets.unwrap_or(data);
+    // SAFETY: validated shapes; the weight words bind every slot the format does not read.
+    unsafe {
+        gemv::gemv_kernel::launch_unchecked::<F, R>(
+            client,
+            CubeCount::Static(cubes as u32, y, 1),
+            CubeDim::new_1d(32 * warps as u32),
+            a.arg(),
+            data.arg(),
+            scales.arg(),
+            globals,
+            offsets.arg(),
+            out.arg(),
+            m as u32,
+            n as u32,
+            k as u32,
+            experts as u32,
+            cfg,
+        )
     }
 }
 

@@ -31,6 +31,7 @@ use half::bf16;
 
 use super::kernel::kv_row;
 use super::KvFormat;
+use crate::formats::e4m3_bits_to_f32;
 
 /// Query rows per cube (the MMA's M).
 pub const ROWS: u32 = 16;
@@ -438,19 +439,6 @@ fn copy_chunk(
         }
     }
 }
-
-/// An E4M3 code as f32 by bit placement: the code's exponent and mantissa bits moved to
-/// f32's (`(c & 0x7f) << 20`, sign to bit 31) read `e4m3(c) * 2^-120` exactly, normal codes
-/// as normal f32 and subnormal codes as f32 subnormals (CUDA keeps them: NVRTC builds
-/// without flush-to-zero); the exact multiply by `2^120` restores the value. NaN codes
-/// (0x7f, 0xff) do not occur in a cache written by `write_kv`.
-#[cube]
-fn e4m3_bits_to_f32(code: u32) -> f32 {
-    f32::reinterpret(((code & 0x7f) << 20) | ((code & 0x80) << 24)) * TWO_POW_120
-}
-
-/// `2^120`.
-const TWO_POW_120: f32 = 1.329_228e36;
 
 /// Decodes staging buffer `buf` (32 fp8 rows: 512 E4M3 codes, 4 f32 scales, 64 bf16 rope
 /// values each) into the bf16 operand buffer: `value = code * scale`, rounded to bf16.

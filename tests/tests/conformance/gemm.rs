@@ -4,15 +4,20 @@
 //! M <= 16 and K a multiple of 32 (NVFP4) or 8 (bf16) take the decode (skinny) kernel, the
 //! rest the per-element kernel; on CUDA the skinny kernel decodes E2M1 through f32
 //! subnormals and reduces with plane sums, on wgpu (llvmpipe) it takes the portable decode
-//! and the shared-memory reduction.
+//! and the shared-memory reduction. On CUDA, NVFP4 weights whose shape tiles (N % 16, K % 64)
+//! are re-laid out into MMA fragments at upload and decode GEMMs over them (and over bf16
+//! with K % 64) take the tensor-core GEMV.
 use cubecl::prelude::*;
 use half::bf16;
 use kiln_conformance::gemm::{run_gemm, upload_weights, GemmCase};
 use kiln_conformance::Activation;
+use kiln_kernels::gemm::fragments::{from_fragments_host, to_fragments, to_fragments_host};
 use kiln_kernels::gemm::{
-    bf16_gemm, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, Nvfp4Weights, WeightFormat,
+    bf16_gemm, nvfp4_gemm, nvfp4_grouped_gemm, nvfp4_layout, Bf16Weights, GemmPath, Nvfp4Layout,
+    Nvfp4Weights, WeightFormat,
 };
 use kiln_kernels::{DeviceArray, KernelError};
+use kiln_reference::data::Rng;
 use kiln_reference::nvfp4::Nvfp4Matrix;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -127,6 +132,106 @@ fn tiled_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeC
     run_gemm::<R, F>(client, &grouped_bf16, false)
         .unwrap()
         .assert_passed();
+}
+
+/// Shapes whose NVFP4 weights tile (N % 16 == 0, K % 64 == 0): on CUDA the fragment layout
+/// and the tensor-core GEMV (1 and 2 token groups, partial groups, K split over warps, runs
+/// of one expert's rows up to 8 and past it), elsewhere the other kernels on the same cases.
+fn tiled_weight_shapes<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
+    let dense = (
+        1usize..=16,
+        1usize..=12,
+        1usize..=6,
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_map(|(m, tiles, chunks, bf16, seed)| {
+            let case = GemmCase::dense(m, 16 * tiles, 64 * chunks, seed);
+            if bf16 {
+                GemmCase {
+                    format: WeightFormat::Bf16,
+                    ..case
+                }
+            } else {
+                case
+            }
+        });
+    run_cases::<R, F>(client, dense);
+    let grouped = (
+        prop::collection::vec(0usize..=11, 1..=5),
+        1usize..=4,
+        1usize..=3,
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_filter("at least one row", |(rows, ..)| {
+            rows.iter().sum::<usize>() > 0
+        })
+        .prop_map(|(rows, tiles, chunks, bf16, seed)| {
+            let case = GemmCase::grouped(rows, 16 * tiles, 64 * chunks, seed);
+            if bf16 {
+                GemmCase {
+                    format: WeightFormat::Bf16,
+                    ..case
+                }
+            } else {
+                case
+            }
+        });
+    run_cases::<R, F>(client, grouped);
+}
+
+/// On a device with tensor cores, tiling NVFP4 weights are uploaded as fragments and decode
+/// GEMMs over them take the tensor-core GEMV; elsewhere they stay row-major.
+fn fragment_weights_take_the_gemv<R: Runtime>(client: &ComputeClient<R>) {
+    let w: Vec<f32> = (0..32 * 128)
+        .map(|i| ((i * 37) % 11) as f32 - 5.0)
+        .collect();
+    let weights = upload_weights(client, &[Nvfp4Matrix::quantize(&w, 32, 128).unwrap()]);
+    let expected = nvfp4_layout(client, 32, 128);
+    assert_eq!(weights.layout, expected);
+    if expected == Nvfp4Layout::Fragments {
+        assert_eq!(weights.path(client, 1, false), GemmPath::Gemv);
+        assert_eq!(weights.path(client, 16, false), GemmPath::Gemv);
+        assert_eq!(weights.path(client, 17, false), GemmPath::TensorCores);
+        assert_eq!(weights.path(client, 1024, true), GemmPath::Gemv);
+    } else {
+        eprintln!("SKIP fragment_weights_take_the_gemv: no bf16 tensor cores here");
+    }
+}
+
+/// The device re-layout equals the host map, word for word, and the host inverse restores the
+/// row-major buffers (two experts, several row and column tiles).
+fn fragment_relayout_matches_the_host_map<R: Runtime>(client: &ComputeClient<R>) {
+    let (experts, n, k) = (2, 48, 192);
+    let mut rng = Rng::new(77);
+    let codes: Vec<u32> = (0..experts * n * k / 8)
+        .map(|_| rng.next_u64() as u32)
+        .collect();
+    let scales: Vec<u8> = (0..experts * n * k / 16)
+        .map(|_| rng.next_u64() as u8 & 0x7e)
+        .collect();
+    let row_major = Nvfp4Weights {
+        packed: DeviceArray::upload(client, &codes),
+        scales: DeviceArray::upload(client, &kiln_reference::formats::pack_u8_words(&scales)),
+        global_scales: DeviceArray::upload(client, &[1.0f32, 2.0]),
+        experts,
+        n,
+        k,
+        layout: Nvfp4Layout::RowMajor,
+    };
+    let device = to_fragments(client, &row_major).unwrap();
+    assert_eq!(device.layout, Nvfp4Layout::Fragments);
+    let (host_codes, host_scales) = to_fragments_host(&codes, &scales, experts, n, k);
+    assert_eq!(device.packed.read(client), host_codes);
+    assert_eq!(
+        device.scales.read(client),
+        kiln_reference::formats::pack_u8_words(&host_scales)
+    );
+    assert_eq!(
+        from_fragments_host(&host_codes, &host_scales, experts, n, k),
+        (codes, scales)
+    );
 }
 
 /// Decode-sized shapes from Kimi-K2, pinned.
@@ -293,6 +398,9 @@ kiln_backends::backend_tests! {
     kimi_decode_shapes,
     skinny_decode_shapes_match_the_reference [f32, bf16],
     tiled_shapes_match_the_reference [f32, bf16],
+    tiled_weight_shapes [f32, bf16],
+    fragment_weights_take_the_gemv,
+    fragment_relayout_matches_the_host_map,
     bad_shapes_are_typed_errors,
     unsupported_dtype_is_a_typed_error,
 }

@@ -160,7 +160,7 @@ impl<R: Runtime> GpuModel<R> {
         };
         let linear = |name: &str, n: usize, k: usize| -> Result<DeviceLinear, LoadError> {
             bar.inc(1);
-            Ok(DeviceLinear::upload(cl, &ckpt.linear(name, [n, k])?))
+            DeviceLinear::upload(cl, &ckpt.linear(name, [n, k])?)
         };
         let mlp = |p: &str, inter: usize| -> Result<Mlp, LoadError> {
             Ok(Mlp {
@@ -293,17 +293,14 @@ fn load_moe<R: Runtime>(
                 ckpt.linear(&format!("{p}.mlp.experts.{j}.{proj}.weight"), shape)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(DeviceLinear::upload_experts(cl, &loaded))
+        DeviceLinear::upload_experts(cl, &loaded)
     };
     let shared = if c.n_shared_experts > 0 {
         let si = inter * c.n_shared_experts;
         let sp = format!("{p}.mlp.shared_experts");
         let lin = |n: &str, shape| -> Result<DeviceLinear, LoadError> {
             bar.inc(1);
-            Ok(DeviceLinear::upload(
-                cl,
-                &ckpt.linear(&format!("{sp}.{n}.weight"), shape)?,
-            ))
+            DeviceLinear::upload(cl, &ckpt.linear(&format!("{sp}.{n}.weight"), shape)?)
         };
         Some(Mlp {
             gate: lin("gate_proj", [si, h])?,
@@ -316,7 +313,7 @@ fn load_moe<R: Runtime>(
     let router = ckpt.plain(&format!("{p}.mlp.gate.weight"), &[e, h])?;
     bar.inc(2);
     Ok(Moe {
-        router: DeviceLinear::upload(cl, &LoadedWeight::Dense(router)),
+        router: DeviceLinear::upload(cl, &LoadedWeight::Dense(router))?,
         bias: vector(
             cl,
             &ckpt.plain(&format!("{p}.mlp.gate.e_score_correction_bias"), &[e])?,

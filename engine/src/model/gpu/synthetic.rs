@@ -3,7 +3,7 @@
 //! For benchmarks at the real shapes; their outputs mean nothing.
 use cubecl::prelude::*;
 use kiln_kernels::fill::fill_random_bits;
-use kiln_kernels::gemm::{Bf16Weights, Nvfp4Weights};
+use kiln_kernels::gemm::{nvfp4_layout, Bf16Weights, Nvfp4Weights};
 use kiln_kernels::DeviceArray;
 use kiln_reference::model::ModelConfig;
 
@@ -50,6 +50,8 @@ impl<R: Runtime> Filler<'_, R> {
             experts,
             n,
             k,
+            // Random codes and positive, finite scales are valid in either layout.
+            layout: nvfp4_layout(self.client, n, k),
         }))
     }
 

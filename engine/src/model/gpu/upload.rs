@@ -4,11 +4,11 @@ use cubecl::prelude::*;
 use kiln_kernels::gemm::{bf16_gemm, bf16_grouped_gemm, nvfp4_gemm, nvfp4_grouped_gemm};
 use kiln_kernels::gemm::{Bf16Weights, Nvfp4Weights};
 use kiln_kernels::{DeviceArray, KernelError};
-use kiln_reference::formats::{bf16_encode, pack_u16_words, pack_u8_words};
+use kiln_reference::formats::{bf16_encode, pack_u16_words};
 use kiln_reference::model::Tensor;
 use kiln_reference::nvfp4::Nvfp4Matrix;
 
-use crate::model::weights::LoadedWeight;
+use crate::model::weights::{LoadError, LoadedWeight};
 
 /// A projection (or a set of experts) on the device, in either weight format.
 pub enum DeviceLinear {
@@ -29,13 +29,20 @@ pub fn vector<R: Runtime>(client: &ComputeClient<R>, t: &Tensor) -> DeviceArray<
 
 impl DeviceLinear {
     /// Uploads one expert or projection (`[n, k]`).
-    pub fn upload<R: Runtime>(client: &ComputeClient<R>, w: &LoadedWeight) -> Self {
+    pub fn upload<R: Runtime>(
+        client: &ComputeClient<R>,
+        w: &LoadedWeight,
+    ) -> Result<Self, LoadError> {
         Self::upload_experts(client, std::slice::from_ref(w))
     }
 
     /// Uploads experts of one projection, concatenated (all in the same format; dense
-    /// experts mixed with NVFP4 ones are stored as bf16 after dequantizing).
-    pub fn upload_experts<R: Runtime>(client: &ComputeClient<R>, experts: &[LoadedWeight]) -> Self {
+    /// experts mixed with NVFP4 ones are stored as bf16 after dequantizing). NVFP4 goes in
+    /// the layout the device's kernels read fastest (`Nvfp4Weights::upload`).
+    pub fn upload_experts<R: Runtime>(
+        client: &ComputeClient<R>,
+        experts: &[LoadedWeight],
+    ) -> Result<Self, LoadError> {
         let all_nvfp4: Option<Vec<&Nvfp4Matrix>> = experts
             .iter()
             .map(|w| match w {
@@ -47,23 +54,18 @@ impl DeviceLinear {
             let packed: Vec<u32> = mats.iter().flat_map(|m| m.packed_words()).collect();
             let scales: Vec<u8> = mats.iter().flat_map(|m| m.scales.iter().copied()).collect();
             let globals: Vec<f32> = mats.iter().map(|m| m.global_scale).collect();
-            return DeviceLinear::Nvfp4(Nvfp4Weights {
-                packed: DeviceArray::upload(client, &packed),
-                scales: DeviceArray::upload(client, &pack_u8_words(&scales)),
-                global_scales: DeviceArray::upload(client, &globals),
-                experts: mats.len(),
-                n: mats[0].rows,
-                k: mats[0].cols,
-            });
+            let (n, k) = (mats[0].rows, mats[0].cols);
+            let w = Nvfp4Weights::upload(client, &packed, &scales, &globals, mats.len(), n, k)?;
+            return Ok(DeviceLinear::Nvfp4(w));
         }
         let dense: Vec<Tensor> = experts.iter().map(LoadedWeight::dequantize).collect();
         let values: Vec<f32> = dense.iter().flat_map(|t| t.data.iter().copied()).collect();
-        DeviceLinear::Bf16(Bf16Weights {
+        Ok(DeviceLinear::Bf16(Bf16Weights {
             data: DeviceArray::upload(client, &bf16_words(&values)),
             experts: dense.len(),
             n: dense[0].shape[0],
             k: dense[0].shape[1],
-        })
+        }))
     }
 
     /// Output width.

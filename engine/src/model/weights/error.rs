@@ -37,4 +37,6 @@ pub enum LoadError {
         tensor: String,
         reason: String,
     },
+    #[error("moving weights to the device: {0}")]
+    Device(#[from] kiln_kernels::KernelError),
 }

@@ -1,0 +1,300 @@
+//! NVFP4 weights re-laid out at load time in the order the tensor cores consume them.
+//!
+//! A matrix `[n, k]` (`n % 16 == 0`, `k % 64 == 0`) is cut into tiles of 16 rows x 64
+//! columns, row tile after row tile, K fastest. A tile is 512 bytes of codes: lane `l` of a
+//! warp (`g = l / 4`, `c = l % 4`) owns 16 contiguous bytes, one word per 16-column step `s`,
+//! holding the 8 codes of its `mma.sync m16n8k16` A fragment: rows `g` and `g + 8`, columns
+//! `16 s + 4 c + j` for `j` in 0..4 (the fragment's logical columns `2c, 2c + 1, 2c + 8,
+//! 2c + 9` are these four; the activations are read in the same order, so the dot product is
+//! unchanged). Within the word, register `i` of the fragment (`i = 2 (j / 2) + row half`)
+//! takes its low bf16 from nibble `3 - i` and its high bf16 from nibble `7 - i`, so one
+//! shift and two masks turn a word into a register (see `gemv.rs`). A step is one NVFP4
+//! block, so one block scale per row applies to a whole MMA.
+//!
+//! Block scales: 64 bytes per tile, 8 per `g`: step `s`'s scale of row `g` at byte
+//! `2 s`, of row `g + 8` at byte `2 s + 1`; the four lanes of a `g` read the same 8 bytes.
+//!
+//! The decode in `gemv.rs` reads a scale's seven low bits only, so matrices with a negative
+//! or NaN block scale keep the row-major layout ([`fragments_hold`]).
+use cubecl::prelude::*;
+
+use super::{Nvfp4Weights, BLOCK};
+use crate::{DeviceArray, KernelError};
+
+/// Rows per tile.
+pub const TILE_ROWS: usize = 16;
+/// Columns per tile.
+pub const TILE_K: usize = 64;
+
+/// How a device NVFP4 matrix stores its codes and block scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Nvfp4Layout {
+    /// Row-major codes (element `8w + j` in bits `4j..4j + 4` of word `w`), scales
+    /// `[experts, n, k / 16]`: every kernel reads it.
+    RowMajor,
+    /// The tensor-core fragment order described in this module (CUDA, `n % 16 == 0`,
+    /// `k % 64 == 0`).
+    Fragments,
+}
+
+/// True when a `[n, k]` matrix can be tiled.
+pub fn shape_fits(n: usize, k: usize) -> bool {
+    n % TILE_ROWS == 0 && k % TILE_K == 0
+}
+
+/// True when every scale byte decodes from its seven low bits: no sign bit (a negative zero
+/// counts as zero only if it is 0x00) and no NaN (`0x7f`).
+pub fn fragments_hold(scale_bytes: &[u8]) -> bool {
+    scale_bytes.iter().all(|&b| b & 0x80 == 0 && b != 0x7f)
+}
+
+/// Word and nibble of code `(row, col)` of one `[n, k]` matrix in the fragment layout.
+pub fn code_position(row: usize, col: usize, k: usize) -> (usize, u32) {
+    let tile = (row / TILE_ROWS) * (k / TILE_K) + col / TILE_K;
+    let (g, half) = (row % 8, (row % TILE_ROWS) / 8);
+    let kk = col % TILE_K;
+    let (step, c, j) = (kk / 16, (kk % 16) / 4, kk % 4);
+    let reg = 2 * (j / 2) + half;
+    let nibble = if j % 2 == 0 { 3 - reg } else { 7 - reg };
+    (tile * 128 + (4 * g + c) * 4 + step, nibble as u32)
+}
+
+/// Byte of block `block` (columns `16 block..16 block + 16`) of row `row`'s scale.
+pub fn scale_position(row: usize, block: usize, k: usize) -> usize {
+    let tile = (row / TILE_ROWS) * (k / TILE_K) + block / 4;
+    tile * 64 + (row % 8) * 8 + 2 * (block % 4) + (row % TILE_ROWS) / 8
+}
+
+/// Host re-layout of `experts` row-major matrices (codes as words, scales as bytes):
+/// the reference for [`to_fragments`] and the inverse of [`from_fragments_host`].
+pub fn to_fragments_host(
+    codes: &[u32],
+    scales: &[u8],
+    experts: usize,
+    n: usize,
+    k: usize,
+) -> (Vec<u32>, Vec<u8>) {
+    let mut out_codes = vec![0u32; codes.len()];
+    let mut out_scales = vec![0u8; scales.len()];
+    for (e, row, col) in positions(experts, n, k) {
+        let (code_base, scale_base) = (e * n * k / 8, e * n * k / BLOCK);
+        let flat = row * k + col;
+        let code = (codes[code_base + flat / 8] >> (4 * (flat % 8))) & 0xf;
+        let (word, nibble) = code_position(row, col, k);
+        out_codes[code_base + word] |= code << (4 * nibble);
+        if col % BLOCK == 0 {
+            out_scales[scale_base + scale_position(row, col / BLOCK, k)] =
+                scales[scale_base + flat / BLOCK];
+        }
+    }
+    (out_codes, out_scales)
+}
+
+/// The inverse of [`to_fragments_host`].
+pub fn from_fragments_host(
+    codes: &[u32],
+    scales: &[u8],
+    experts: usize,
+    n: usize,
+    k: usize,
+) -> (Vec<u32>, Vec<u8>) {
+    let mut out_codes = vec![0u32; codes.len()];
+    let mut out_scales = vec![0u8; scales.len()];
+    for (e, row, col) in positions(experts, n, k) {
+        let (code_base, scale_base) = (e * n * k / 8, e * n * k / BLOCK);
+        let flat = row * k + col;
+        let (word, nibble) = code_position(row, col, k);
+        let code = (codes[code_base + word] >> (4 * nibble)) & 0xf;
+        out_codes[code_base + flat / 8] |= code << (4 * (flat % 8));
+        if col % BLOCK == 0 {
+            out_scales[scale_base + flat / BLOCK] =
+                scales[scale_base + scale_position(row, col / BLOCK, k)];
+        }
+    }
+    (out_codes, out_scales)
+}
+
+fn positions(experts: usize, n: usize, k: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..experts).flat_map(move |e| (0..n).flat_map(move |r| (0..k).map(move |c| (e, r, c))))
+}
+
+/// Re-lays out row-major weights on the device into [`Nvfp4Layout::Fragments`] (one pass
+/// per buffer; the row-major buffers are dropped by the caller). Trusts validated weights
+/// with [`shape_fits`].
+pub fn to_fragments<R: Runtime>(
+    client: &ComputeClient<R>,
+    w: &Nvfp4Weights,
+) -> Result<Nvfp4Weights, KernelError> {
+    w.validate()?;
+    let codes = DeviceArray::<u32>::uninit(client, w.packed.len());
+    let scales = DeviceArray::<u32>::uninit(client, w.scales.len());
+    let (n, k) = (w.n as u32, w.k as u32);
+    let launch = |len: usize| {
+        let cubes = (len as u32).div_ceil(256);
+        let x = cubes.min(65_535);
+        (
+            CubeCount::Static(x, cubes.div_ceil(x), 1),
+            CubeDim::new_1d(256),
+        )
+    };
+    let (code_cubes, dim) = launch(codes.len());
+    let (scale_cubes, _) = launch(scales.len());
+    // SAFETY: validated buffers; every output word is written by exactly one unit.
+    unsafe {
+        code_tiles_kernel::launch_unchecked::<R>(
+            client,
+            code_cubes,
+            dim,
+            w.packed.arg(),
+            codes.arg(),
+            n,
+            k,
+            codes.len() as u32,
+        );
+        scale_tiles_kernel::launch_unchecked::<R>(
+            client,
+            scale_cubes,
+            dim,
+            w.scales.arg(),
+            scales.arg(),
+            n,
+            k,
+            scales.len() as u32,
+        );
+    }
+    Ok(Nvfp4Weights {
+        packed: codes,
+        scales,
+        global_scales: w.global_scales.clone(),
+        experts: w.experts,
+        n: w.n,
+        k: w.k,
+        layout: Nvfp4Layout::Fragments,
+    })
+}
+
+/// One unit per fragment word: gathers its 8 codes (two row-major words: rows `g`, `g + 8`).
+#[cube(launch_unchecked)]
+fn code_tiles_kernel(src: &Array<u32>, dst: &mut Array<u32>, n: u32, k: u32, len: u32) {
+    let w = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize * 256 + UNIT_POS_X as usize;
+    if w < len as usize {
+        let (n, k) = (n as usize, k as usize);
+        let expert = w / (n * k / 8);
+        let local = w % (n * k / 8);
+        let tile = local / 128;
+        let (lane, step) = ((local % 128) / 4, local % 4);
+        let row = (tile / (k / 64)) * 16 + lane / 4;
+        let col = (tile % (k / 64)) * 64 + step * 16 + (lane % 4) * 4;
+        // Word indices (element indices of all experts can pass 2^32). Columns
+        // col..col + 4 sit in one row-major word (col % 8 is 0 or 4).
+        let base = expert * (n * k / 8);
+        let shift = ((col % 8) * 4) as u32;
+        let lo = src[base + (row * k + col) / 8] >> shift;
+        let hi = src[base + ((row + 8) * k + col) / 8] >> shift;
+        let mut word = 0u32;
+        #[unroll]
+        for j in 0..4u32 {
+            let half = j % 2;
+            // Registers 2 (j / 2) (row g) and 2 (j / 2) + 1 (row g + 8).
+            let reg = 2 * (j / 2);
+            let nibble = select(half == 0, 3 - reg, 7 - reg);
+            word |= ((lo >> (4 * j)) & 0xf) << (4 * nibble);
+            word |= ((hi >> (4 * j)) & 0xf) << (4 * (nibble - 1));
+        }
+        dst[w] = word;
+    }
+}
+
+/// One unit per fragment scale word (4 bytes: steps `2q`, `2q + 1` of rows `g`, `g + 8`).
+#[cube(launch_unchecked)]
+fn scale_tiles_kernel(src: &Array<u32>, dst: &mut Array<u32>, n: u32, k: u32, len: u32) {
+    let w = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize * 256 + UNIT_POS_X as usize;
+    if w < len as usize {
+        let (n, k) = (n as usize, k as usize);
+        let per_expert = n * k / 64;
+        let (expert, local) = (w / per_expert, w % per_expert);
+        let tile = local / 16;
+        let (g, pair) = ((local % 16) / 2, local % 2);
+        let row = (tile / (k / 64)) * 16 + g;
+        let block = (tile % (k / 64)) * 4 + pair * 2;
+        let blocks = k / 16;
+        let base = expert * n * blocks;
+        let mut word = 0u32;
+        #[unroll]
+        for b in 0..4usize {
+            let src_byte = base + (row + (b % 2) * 8) * blocks + block + b / 2;
+            let byte = (src[src_byte / 4] >> ((src_byte % 4) * 8) as u32) & 0xff;
+            word |= byte << (8 * b as u32);
+        }
+        dst[w] = word;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every code and every scale of a tiling matrix has its own slot.
+    #[test]
+    fn positions_are_a_bijection() {
+        for (n, k) in [(16, 64), (32, 192), (48, 128)] {
+            let mut codes = vec![0u32; n * k / 8];
+            let mut scales = vec![false; n * k / BLOCK];
+            for row in 0..n {
+                for col in 0..k {
+                    let (word, nibble) = code_position(row, col, k);
+                    assert_eq!(codes[word] & (0xf << (4 * nibble)), 0, "({row}, {col})");
+                    codes[word] |= 0xf << (4 * nibble);
+                    if col % BLOCK == 0 {
+                        let byte = scale_position(row, col / BLOCK, k);
+                        assert!(!scales[byte], "scale ({row}, {})", col / BLOCK);
+                        scales[byte] = true;
+                    }
+                }
+            }
+            assert!(codes.iter().all(|&w| w == u32::MAX));
+            assert!(scales.iter().all(|&s| s));
+        }
+    }
+
+    /// Fragment word `s` of lane `(g, c)` holds rows `g`, `g + 8`, columns `16 s + 4 c + j`,
+    /// register `i = 2 (j / 2) + half` in nibbles `3 - i` (even `j`) and `7 - i` (odd `j`).
+    #[test]
+    fn a_lane_word_holds_its_fragment() {
+        let k = 128;
+        // Lane 9 = (g 2, c 1), second column tile, step 3.
+        let (word, nibble) = code_position(2, 64 + 48 + 4, k);
+        assert_eq!((word, nibble), (128 + 9 * 4 + 3, 3));
+        let (word, nibble) = code_position(10, 64 + 48 + 4 + 3, k);
+        assert_eq!((word, nibble), (128 + 9 * 4 + 3, 4));
+        assert_eq!(scale_position(10, 7, k), 64 + 2 * 8 + 2 * 3 + 1);
+    }
+
+    #[test]
+    fn the_host_relayout_round_trips() {
+        let (experts, n, k) = (3, 32, 128);
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let codes: Vec<u32> = (0..experts * n * k / 8).map(|_| next() as u32).collect();
+        let scales: Vec<u8> = (0..experts * n * k / BLOCK).map(|_| next() as u8).collect();
+        let (fc, fs) = to_fragments_host(&codes, &scales, experts, n, k);
+        assert_ne!(fc, codes);
+        assert_eq!(
+            from_fragments_host(&fc, &fs, experts, n, k),
+            (codes, scales)
+        );
+    }
+
+    #[test]
+    fn scales_with_a_sign_or_nan_keep_row_major() {
+        assert!(fragments_hold(&[0x00, 0x38, 0x7e]));
+        assert!(!fragments_hold(&[0x38, 0x7f]));
+        assert!(!fragments_hold(&[0x80]));
+        assert!(!fragments_hold(&[0xb8]));
+    }
+}

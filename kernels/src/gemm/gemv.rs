@@ -1,0 +1,385 @@
+//! The tensor-core decode GEMM (CUDA `mma.sync m16n8k16`, bf16 operands, f32 accumulators):
+//! `C[M, N] = A[M, K] W[N, K]^T` for dense `M <= 16` and the grouped MoE GEMM at decode
+//! sizes, where the time is the weight read.
+//!
+//! The weights are the MMA's A operand (16 rows), the tokens its B operand (8 per group), so
+//! one decoded weight serves up to 8 tokens per instruction and nothing goes through shared
+//! memory until the final reduction. A cube owns `tiles` tiles of 16 weight rows and its warps
+//! split K in chunks of 64 columns; each warp loads `depth` chunks of raw weights (16 bytes
+//! per lane per tile and chunk) before decoding any, then the warps' partial sums meet in
+//! shared memory.
+//!
+//! NVFP4 weights come in the fragment layout (`fragments.rs`): a lane's word per 16-column
+//! step is its 8 codes, and register `i` of the A fragment is
+//! `((q << 4i) & 0x80008000) | (((q << 4i) >> 6) & 0x01c001c0)`: the code's sign, exponent
+//! and mantissa bits moved into bf16's, which reads `e2m1 * 2^-126` exactly (code 1, 0.5,
+//! lands on the bf16 subnormal `2^-127`; the tensor cores keep bf16 subnormals). The
+//! activations are scaled by `2^64` as they are rounded to bf16, so each step's MMA (one
+//! block: one scale per row) yields `sum a * e2m1 * 2^-62`, normal in f32; the step's sum is
+//! multiplied by the block scale into the accumulator, and `2^62 * global` is applied once.
+//! This needs `|a| < 2^63`.
+//!
+//! bf16 weights stay row-major: a lane reads 16 contiguous bytes of rows `g` and `g + 8` per
+//! 32 columns, and the activations are read in the same permuted column order (fragment
+//! column `2c + b` is actual column `32 h + 8 c + 4 t + b`, `2c + 8 + b` is `... + 2 + b`,
+//! for step `2h + t`), which leaves the dot product unchanged.
+//!
+//! Rounding: activations are rounded to bf16 (weights are exact), as in `mma.rs`.
+use cubecl::prelude::*;
+use half::bf16;
+
+use super::kernel::find_expert;
+use crate::formats::TWO_POW_120;
+
+type Frag = Vector<bf16, Const<2>>;
+type Acc = Vector<f32, Const<2>>;
+type Raw = Vector<u32, Const<4>>;
+
+/// Compile-time shape of the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemvConfig {
+    /// NVFP4 in the fragment layout; otherwise bf16, row-major.
+    pub nvfp4: bool,
+    /// 16-row weight tiles per cube.
+    pub tiles: u32,
+    /// Groups of 8 tokens per cube (1 or 2).
+    pub groups: u32,
+    /// Warps per cube, splitting K.
+    pub warps: u32,
+    /// 64-column chunks a warp loads before decoding the first.
+    pub depth: u32,
+    /// MoE: one cube row per A row, working only where a run of its expert's rows starts.
+    pub grouped: bool,
+}
+
+/// `2^64`: the activations' scale on the NVFP4 path.
+const TWO_POW_64: f32 = 18446744073709551616.0;
+/// `2^62`: restores the NVFP4 path's sums (`2^64 * 2^-126 = 2^-62`).
+const TWO_POW_62: f32 = 4611686018427387904.0;
+
+/// Grid: (weight tiles / `tiles`, token groups or, grouped, A's rows); `32 * warps` units.
+/// Trusts `k % 64 == 0`, NVFP4 `n % 16 == 0` in the fragment layout, validated buffers.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_kernel<F: Float>(
+    a: &Array<Vector<F, Const<4>>>,
+    weights: &Array<Raw>,
+    scales: &Array<Vector<u32, Const<2>>>,
+    global_scales: &Array<u32>,
+    expert_offsets: &Array<u32>,
+    out: &mut Array<f32>,
+    m: u32,
+    n: u32,
+    k: u32,
+    experts: u32,
+    #[comptime] cfg: GemvConfig,
+) {
+    let per_cube = comptime!((cfg.groups * 8) as usize);
+    let mut token0 = CUBE_POS_Y as usize * per_cube;
+    let mut count = min(m as usize - token0, per_cube);
+    let mut expert = 0usize;
+    let mut active = true;
+    if comptime!(cfg.grouped) {
+        token0 = CUBE_POS_Y as usize;
+        expert = find_expert(expert_offsets, token0 as u32, experts) as usize;
+        let begin = expert_offsets[expert] as usize;
+        let end = expert_offsets[expert + 1] as usize;
+        active = (token0 - begin) % per_cube == 0;
+        count = min(end - token0, per_cube);
+    }
+    // Uniform per cube: a cube that does not start a run leaves before the barrier.
+    if active {
+        let mut acc = Array::<Acc>::new(comptime!((cfg.tiles * cfg.groups * 2) as usize));
+        #[unroll]
+        for i in 0..comptime!((cfg.tiles * cfg.groups * 2) as usize) {
+            acc[i] = Acc::new(0.0);
+        }
+        let warp = UNIT_POS_X as usize / 32;
+        let chunks = k as usize / 64;
+        let mut kc = warp;
+        while kc < chunks {
+            if comptime!(cfg.nvfp4) {
+                nvfp4_chunks(
+                    a, weights, scales, &mut acc, expert, token0, count, n, k, kc, cfg,
+                );
+            } else {
+                bf16_chunks(a, weights, &mut acc, expert, token0, count, n, k, kc, cfg);
+            }
+            kc += comptime!((cfg.warps * cfg.depth) as usize);
+        }
+        let mut scale = 1.0f32;
+        if comptime!(cfg.nvfp4) {
+            scale = f32::reinterpret(global_scales[expert]) * TWO_POW_62;
+        }
+        reduce_and_store(&acc, out, token0, count, n, scale, cfg);
+    }
+}
+
+/// The B fragments (2 per step, 4 steps) of token group `grp` for chunk `kc`, scaled by
+/// `prescale` and rounded to bf16. Step `s` reads 4 consecutive activations at
+/// `kc * 64 + offset(s)`: `16 s + 4 c` (NVFP4 fragments) or `32 (s / 2) + 8 c + 4 (s % 2)`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn activations<F: Float>(
+    a: &Array<Vector<F, Const<4>>>,
+    token0: usize,
+    count: usize,
+    grp: usize,
+    k: usize,
+    kc: usize,
+    prescale: f32,
+    #[comptime] nvfp4: bool,
+) -> Array<Frag> {
+    let lane = UNIT_POS_X as usize % 32;
+    let (g, c) = (lane / 4, lane % 4);
+    let row = token0 + min(grp * 8 + g, count - 1);
+    let mut raw = Array::<Vector<F, Const<4>>>::new(4usize);
+    #[unroll]
+    for s in 0..4usize {
+        let first = comptime!(if nvfp4 {
+            16 * s
+        } else {
+            32 * (s / 2) + 4 * (s % 2)
+        });
+        let per_lane = comptime!(if nvfp4 { 4usize } else { 8usize });
+        raw[s] = a[(row * k + kc * 64 + first + per_lane * c) / 4];
+    }
+    let mut frags = Array::<Frag>::new(8usize);
+    #[unroll]
+    for s in 0..4usize {
+        #[unroll]
+        for p in 0..2usize {
+            let mut f = Frag::empty();
+            f[0] = bf16::cast_from(f32::cast_from(raw[s][2 * p]) * prescale);
+            f[1] = bf16::cast_from(f32::cast_from(raw[s][2 * p + 1]) * prescale);
+            frags[s * 2 + p] = f;
+        }
+    }
+    frags
+}
+
+/// Block scale byte `b` (0..4) of `word`, in f32 (seven-bit magnitudes, see `fragments.rs`).
+#[cube]
+fn scale_at(word: u32, #[comptime] b: u32) -> f32 {
+    let mut bits = word >> 4;
+    if comptime!(b < 3) {
+        bits = word << comptime!(20 - 8 * b);
+    }
+    f32::reinterpret(bits & 0x07f0_0000u32) * TWO_POW_120
+}
+
+/// Runs `cfg.depth` NVFP4 chunks (`kc`, `kc + warps`, ...), loading all their weights first.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn nvfp4_chunks<F: Float>(
+    a: &Array<Vector<F, Const<4>>>,
+    weights: &Array<Raw>,
+    scales: &Array<Vector<u32, Const<2>>>,
+    acc: &mut Array<Acc>,
+    expert: usize,
+    token0: usize,
+    count: usize,
+    n: u32,
+    k: u32,
+    kc0: usize,
+    #[comptime] cfg: GemvConfig,
+) {
+    let depth = comptime!(cfg.depth as usize);
+    let tiles = comptime!(cfg.tiles as usize);
+    let groups = comptime!(cfg.groups as usize);
+    let lane = UNIT_POS_X as usize % 32;
+    let (n, k) = (n as usize, k as usize);
+    let chunks = k / 64;
+    let row_tiles = n / 16;
+    let mut raw = Array::<Raw>::new(comptime!((cfg.depth * cfg.tiles) as usize));
+    let mut sraw = Array::<Vector<u32, Const<2>>>::new(comptime!((cfg.depth * cfg.tiles) as usize));
+    #[unroll]
+    for d in 0..depth {
+        let kc = min(kc0 + d * comptime!(cfg.warps as usize), chunks - 1);
+        #[unroll]
+        for t in 0..tiles {
+            let rt = min(CUBE_POS_X as usize * tiles + t, row_tiles - 1);
+            let tile = (expert * row_tiles + rt) * chunks + kc;
+            raw[d * tiles + t] = weights[tile * 32 + lane];
+            sraw[d * tiles + t] = scales[tile * 8 + lane / 4];
+        }
+    }
+    let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+    #[unroll]
+    for d in 0..depth {
+        let kc = kc0 + d * comptime!(cfg.warps as usize);
+        // Uniform per warp.
+        if kc < chunks {
+            let mut b = Array::<Frag>::new(comptime!((cfg.groups * 8) as usize));
+            #[unroll]
+            for grp in 0..groups {
+                let f = activations(a, token0, count, grp, k, kc, TWO_POW_64, true);
+                #[unroll]
+                for i in 0..8usize {
+                    b[grp * 8 + i] = f[i];
+                }
+            }
+            #[unroll]
+            for t in 0..tiles {
+                let words = raw[d * tiles + t];
+                let sw = sraw[d * tiles + t];
+                #[unroll]
+                for s in 0..4usize {
+                    let q = words[s];
+                    let mut af = Array::<Frag>::new(4usize);
+                    #[unroll]
+                    for i in 0..4u32 {
+                        let x = q << (4 * i);
+                        af[i as usize] =
+                            Frag::reinterpret((x & 0x8000_8000u32) | ((x >> 6) & 0x01c0_01c0u32));
+                    }
+                    let scale_word = sw[s / 2];
+                    let s_lo = scale_at(scale_word, comptime!(2 * (s as u32 % 2)));
+                    let s_hi = scale_at(scale_word, comptime!(2 * (s as u32 % 2) + 1));
+                    #[unroll]
+                    for grp in 0..groups {
+                        let mut bf = Array::<Frag>::new(2usize);
+                        bf[0] = b[grp * 8 + s * 2];
+                        bf[1] = b[grp * 8 + s * 2 + 1];
+                        let mut d_acc = Array::<Acc>::new(2usize);
+                        d_acc[0] = Acc::new(0.0);
+                        d_acc[1] = Acc::new(0.0);
+                        mma.execute_inplace(&af, &bf, &mut d_acc);
+                        let at = (t * groups + grp) * 2;
+                        acc[at] += d_acc[0] * Acc::new(s_lo);
+                        acc[at + 1] += d_acc[1] * Acc::new(s_hi);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Runs `cfg.depth` bf16 chunks, loading all their weights first (rows `g`, `g + 8` of each
+/// tile, 2 x 16 bytes each).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn bf16_chunks<F: Float>(
+    a: &Array<Vector<F, Const<4>>>,
+    weights: &Array<Raw>,
+    acc: &mut Array<Acc>,
+    expert: usize,
+    token0: usize,
+    count: usize,
+    n: u32,
+    k: u32,
+    kc0: usize,
+    #[comptime] cfg: GemvConfig,
+) {
+    let depth = comptime!(cfg.depth as usize);
+    let tiles = comptime!(cfg.tiles as usize);
+    let groups = comptime!(cfg.groups as usize);
+    let lane = UNIT_POS_X as usize % 32;
+    let (g, c) = (lane / 4, lane % 4);
+    let (n, k) = (n as usize, k as usize);
+    let chunks = k / 64;
+    let mut raw = Array::<Raw>::new(comptime!((cfg.depth * cfg.tiles * 4) as usize));
+    #[unroll]
+    for d in 0..depth {
+        let kc = min(kc0 + d * comptime!(cfg.warps as usize), chunks - 1);
+        #[unroll]
+        for t in 0..tiles {
+            #[unroll]
+            for half in 0..2usize {
+                let row = min((CUBE_POS_X as usize * tiles + t) * 16 + g + half * 8, n - 1);
+                let base = (expert * n + row) * k + kc * 64 + 8 * c;
+                #[unroll]
+                for h in 0..2usize {
+                    raw[((d * tiles + t) * 2 + half) * 2 + h] = weights[(base + 32 * h) / 8];
+                }
+            }
+        }
+    }
+    let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+    #[unroll]
+    for d in 0..depth {
+        let kc = kc0 + d * comptime!(cfg.warps as usize);
+        if kc < chunks {
+            let mut b = Array::<Frag>::new(comptime!((cfg.groups * 8) as usize));
+            #[unroll]
+            for grp in 0..groups {
+                let f = activations(a, token0, count, grp, k, kc, 1.0f32, false);
+                #[unroll]
+                for i in 0..8usize {
+                    b[grp * 8 + i] = f[i];
+                }
+            }
+            #[unroll]
+            for t in 0..tiles {
+                let at = (d * tiles + t) * 4;
+                #[unroll]
+                for s in 0..4usize {
+                    let (h, w) = (s / 2, 2 * (s % 2));
+                    let mut af = Array::<Frag>::new(4usize);
+                    af[0] = Frag::reinterpret(raw[at + h][w]);
+                    af[1] = Frag::reinterpret(raw[at + 2 + h][w]);
+                    af[2] = Frag::reinterpret(raw[at + h][w + 1]);
+                    af[3] = Frag::reinterpret(raw[at + 2 + h][w + 1]);
+                    #[unroll]
+                    for grp in 0..groups {
+                        let mut bf = Array::<Frag>::new(2usize);
+                        bf[0] = b[grp * 8 + s * 2];
+                        bf[1] = b[grp * 8 + s * 2 + 1];
+                        let i = (t * groups + grp) * 2;
+                        let mut c_acc = Array::<Acc>::new(2usize);
+                        c_acc[0] = acc[i];
+                        c_acc[1] = acc[i + 1];
+                        mma.execute_inplace(&af, &bf, &mut c_acc);
+                        acc[i] = c_acc[0];
+                        acc[i + 1] = c_acc[1];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sums the warps' accumulators in shared memory and writes `out[token0 + t, row] = sum *
+/// scale` for the tokens and rows that exist. Accumulator `(tile, grp, half)` of lane
+/// `(g, c)` holds rows `16 tile + g + 8 half`, tokens `8 grp + 2c` and `+ 1`.
+#[cube]
+fn reduce_and_store(
+    acc: &Array<Acc>,
+    out: &mut Array<f32>,
+    token0: usize,
+    count: usize,
+    n: u32,
+    scale: f32,
+    #[comptime] cfg: GemvConfig,
+) {
+    let values = comptime!((cfg.tiles * cfg.groups * 4) as usize);
+    let units = comptime!((cfg.warps * 32) as usize);
+    let unit = UNIT_POS_X as usize;
+    let (warp, lane) = (unit / 32, unit % 32);
+    let mut partials = SharedMemory::<f32>::new(comptime!(
+        (cfg.warps * cfg.tiles * cfg.groups * 128) as usize
+    ));
+    #[unroll]
+    for i in 0..comptime!((cfg.tiles * cfg.groups * 2) as usize) {
+        partials[((warp * values) + 2 * i) * 32 + lane] = acc[i][0];
+        partials[((warp * values) + 2 * i + 1) * 32 + lane] = acc[i][1];
+    }
+    sync_cube();
+    let n = n as usize;
+    for o in range_stepped(unit, values * 32, units) {
+        let mut sum = 0.0f32;
+        for w in 0..comptime!(cfg.warps as usize) {
+            sum += partials[w * values * 32 + o];
+        }
+        let (v, l) = (o / 32, o % 32);
+        let (i, col) = (v / 2, v % 2);
+        let half = i % 2;
+        let grp = (i / 2) % comptime!(cfg.groups as usize);
+        let t = i / 2 / comptime!(cfg.groups as usize);
+        let row = (CUBE_POS_X as usize * comptime!(cfg.tiles as usize) + t) * 16 + l / 4 + 8 * half;
+        let token = grp * 8 + 2 * (l % 4) + col;
+        if token < count && row < n {
+            out[(token0 + token) * n + row] = sum * scale;
+        }
+    }
+}
