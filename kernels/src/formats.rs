@@ -61,4 +61,4 @@ pub fn e4m3_bits_to_f32(code: u32) -> f32 {
 }
 
 /// `2^120`.
-pub const TWO_POW_120: f32 = 1.329_228e36;
+const TWO_POW_120: f32 = 1.329_228e36;

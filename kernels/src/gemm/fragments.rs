@@ -13,12 +13,16 @@
 //!
 //! Block scales: 64 bytes per tile, 8 per `g`: step `s`'s scale of row `g` at byte
 //! `2 s`, of row `g + 8` at byte `2 s + 1`; the four lanes of a `g` read the same 8 bytes.
-//!
-//! The decode in `gemv.rs` reads a scale's seven low bits only, so matrices with a negative
-//! or NaN block scale keep the row-major layout ([`fragments_hold`]).
+//! Each is re-encoded so that one shift and one mask give it as bf16: a scale
+//! `2^e (1 + m / 8)` (E4M3 subnormals normalized, `e` in -9..=8) becomes
+//! `((15 + e) << 3) | m`, which reads as bf16 `(b << 4) | 0x7000 = scale * 2^112` (a normal
+//! E4M3 byte just gains 64). A zero scale becomes 0 and its block's codes are zeroed, so the
+//! weights stay exactly zero. Matrices with a negative or NaN block scale keep the row-major
+//! layout ([`fragments_hold`]).
 use cubecl::prelude::*;
 
 use super::{Nvfp4Weights, BLOCK};
+use crate::formats::byte_at;
 use crate::{DeviceArray, KernelError};
 
 /// Rows per tile.
@@ -65,8 +69,32 @@ pub fn scale_position(row: usize, block: usize, k: usize) -> usize {
     tile * 64 + (row % 8) * 8 + 2 * (block % 4) + (row % TILE_ROWS) / 8
 }
 
+/// The fragment encoding of a non-negative, finite E4M3 scale byte (see the module docs).
+pub fn encode_scale(x: u8) -> u8 {
+    let (e, m) = (x >> 3, x & 7);
+    match (e, m) {
+        (0, 0) => 0,
+        (0, m) => {
+            // m / 8 * 2^-6 = 2^(p - 9) (1 + rest): p = floor(log2 m).
+            let p = 7 - m.leading_zeros() as u8;
+            ((6 + p) << 3) | ((m << (3 - p)) & 7)
+        }
+        _ => x + 64,
+    }
+}
+
+/// The E4M3 byte a fragment scale encodes (the inverse of [`encode_scale`]).
+pub fn decode_scale(b: u8) -> u8 {
+    match b >> 3 {
+        0 => 0,
+        field if field >= 9 => b - 64,
+        field => (8 + (b & 7)) >> (9 - field),
+    }
+}
+
 /// Host re-layout of `experts` row-major matrices (codes as words, scales as bytes):
-/// the reference for [`to_fragments`] and the inverse of [`from_fragments_host`].
+/// the reference for [`to_fragments`]; [`from_fragments_host`] inverts it (up to the codes
+/// of zero-scale blocks, which it leaves zero).
 pub fn to_fragments_host(
     codes: &[u32],
     scales: &[u8],
@@ -79,12 +107,14 @@ pub fn to_fragments_host(
     for (e, row, col) in positions(experts, n, k) {
         let (code_base, scale_base) = (e * n * k / 8, e * n * k / BLOCK);
         let flat = row * k + col;
+        let scale = scales[scale_base + flat / BLOCK];
         let code = (codes[code_base + flat / 8] >> (4 * (flat % 8))) & 0xf;
         let (word, nibble) = code_position(row, col, k);
-        out_codes[code_base + word] |= code << (4 * nibble);
+        if scale != 0 {
+            out_codes[code_base + word] |= code << (4 * nibble);
+        }
         if col % BLOCK == 0 {
-            out_scales[scale_base + scale_position(row, col / BLOCK, k)] =
-                scales[scale_base + flat / BLOCK];
+            out_scales[scale_base + scale_position(row, col / BLOCK, k)] = encode_scale(scale);
         }
     }
     (out_codes, out_scales)
@@ -108,7 +138,7 @@ pub fn from_fragments_host(
         out_codes[code_base + flat / 8] |= code << (4 * (flat % 8));
         if col % BLOCK == 0 {
             out_scales[scale_base + flat / BLOCK] =
-                scales[scale_base + scale_position(row, col / BLOCK, k)];
+                decode_scale(scales[scale_base + scale_position(row, col / BLOCK, k)]);
         }
     }
     (out_codes, out_scales)
@@ -146,6 +176,7 @@ pub fn to_fragments<R: Runtime>(
             code_cubes,
             dim,
             w.packed.arg(),
+            w.scales.arg(),
             codes.arg(),
             n,
             k,
@@ -173,9 +204,17 @@ pub fn to_fragments<R: Runtime>(
     })
 }
 
-/// One unit per fragment word: gathers its 8 codes (two row-major words: rows `g`, `g + 8`).
+/// One unit per fragment word: gathers its 8 codes (two row-major words: rows `g`, `g + 8`),
+/// zeroing those of a row whose block scale is zero.
 #[cube(launch_unchecked)]
-fn code_tiles_kernel(src: &Array<u32>, dst: &mut Array<u32>, n: u32, k: u32, len: u32) {
+fn code_tiles_kernel(
+    src: &Array<u32>,
+    scales: &Array<u32>,
+    dst: &mut Array<u32>,
+    n: u32,
+    k: u32,
+    len: u32,
+) {
     let w = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize * 256 + UNIT_POS_X as usize;
     if w < len as usize {
         let (n, k) = (n as usize, k as usize);
@@ -189,8 +228,15 @@ fn code_tiles_kernel(src: &Array<u32>, dst: &mut Array<u32>, n: u32, k: u32, len
         // col..col + 4 sit in one row-major word (col % 8 is 0 or 4).
         let base = expert * (n * k / 8);
         let shift = ((col % 8) * 4) as u32;
-        let lo = src[base + (row * k + col) / 8] >> shift;
-        let hi = src[base + ((row + 8) * k + col) / 8] >> shift;
+        let mut lo = src[base + (row * k + col) / 8] >> shift;
+        let mut hi = src[base + ((row + 8) * k + col) / 8] >> shift;
+        let scale_base = expert * (n * k / 16);
+        if byte_at(scales, scale_base + (row * k + col) / 16) == 0 {
+            lo = 0;
+        }
+        if byte_at(scales, scale_base + ((row + 8) * k + col) / 16) == 0 {
+            hi = 0;
+        }
         let mut word = 0u32;
         #[unroll]
         for j in 0..4u32 {
@@ -223,12 +269,33 @@ fn scale_tiles_kernel(src: &Array<u32>, dst: &mut Array<u32>, n: u32, k: u32, le
         #[unroll]
         for b in 0..4usize {
             let src_byte = base + (row + (b % 2) * 8) * blocks + block + b / 2;
-            let byte = (src[src_byte / 4] >> ((src_byte % 4) * 8) as u32) & 0xff;
-            word |= byte << (8 * b as u32);
+            word |= encode_scale_byte(byte_at(src, src_byte)) << (8 * b as u32);
         }
         dst[w] = word;
     }
 }
+
+/// [`encode_scale`] on the device.
+#[cube]
+fn encode_scale_byte(x: u32) -> u32 {
+    let m = x & 7;
+    // Subnormal: p = floor(log2 m).
+    let p = select(m >= 4, 2u32, select(m >= 2, 1u32, 0u32));
+    let subnormal = ((6 + p) << 3) | ((m << (3 - p)) & 7);
+    let normal = x + 64;
+    select(x == 0, 0u32, select(x < 8, subnormal, normal))
+}
+
+/// The bf16 pair `(s, s)` (`s = scale * 2^112`) of the fragment scale in byte `byte` of
+/// `word`.
+#[cube]
+pub fn scale_pair(word: u32, #[comptime] byte: u32) -> u32 {
+    let half = (((word >> comptime!(8 * byte)) & 0xff) << 4) | 0x7000;
+    half | (half << 16)
+}
+
+/// `2^-112`: a fragment scale's bf16 value times this is the E4M3 scale.
+pub const TWO_POW_MINUS_112: f32 = 1.925_929_9e-34;
 
 #[cfg(test)]
 mod tests {
@@ -281,13 +348,55 @@ mod tests {
             state
         };
         let codes: Vec<u32> = (0..experts * n * k / 8).map(|_| next() as u32).collect();
-        let scales: Vec<u8> = (0..experts * n * k / BLOCK).map(|_| next() as u8).collect();
+        let scales: Vec<u8> = (0..experts * n * k / BLOCK)
+            .map(|_| (next() % 126) as u8 + 1)
+            .collect();
         let (fc, fs) = to_fragments_host(&codes, &scales, experts, n, k);
         assert_ne!(fc, codes);
         assert_eq!(
             from_fragments_host(&fc, &fs, experts, n, k),
             (codes, scales)
         );
+    }
+
+    /// Every finite non-negative E4M3 scale survives the encoding, and the encoding read as
+    /// bf16 `(b << 4) | 0x7000` is the scale times 2^112.
+    #[test]
+    fn scale_encoding_reads_as_bf16() {
+        for x in 0u8..0x7f {
+            let b = encode_scale(x);
+            assert_eq!(decode_scale(b), x, "{x:#x}");
+            let e4m3 = if x >> 3 == 0 {
+                (x & 7) as f64 / 8.0 * 2f64.powi(-6)
+            } else {
+                2f64.powi((x >> 3) as i32 - 7) * (1.0 + (x & 7) as f64 / 8.0)
+            };
+            let bits = ((b as u32) << 4 | 0x7000) << 16;
+            let as_bf16 = f32::from_bits(bits) as f64;
+            if x == 0 {
+                assert_eq!(b, 0);
+            } else {
+                assert_eq!(as_bf16, e4m3 * 2f64.powi(112), "{x:#x}");
+                assert_eq!(as_bf16 as f32 * TWO_POW_MINUS_112, e4m3 as f32);
+            }
+        }
+    }
+
+    /// A zero block scale zeroes the block's codes (its weights are zero either way).
+    #[test]
+    fn zero_scales_zero_their_codes() {
+        let (n, k) = (16, 64);
+        let codes = vec![0x7777_7777u32; n * k / 8];
+        let mut scales = vec![0x38u8; n * k / BLOCK];
+        scales[5] = 0; // row 1, block 1
+        let (fc, fs) = to_fragments_host(&codes, &scales, 1, n, k);
+        let (back, back_scales) = from_fragments_host(&fc, &fs, 1, n, k);
+        assert_eq!(back_scales, scales);
+        for col in 0..k {
+            let flat = k + col;
+            let code = (back[flat / 8] >> (4 * (flat % 8))) & 0xf;
+            assert_eq!(code, if col / 16 == 1 { 0 } else { 7 }, "col {col}");
+        }
     }
 
     #[test]

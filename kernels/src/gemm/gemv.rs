@@ -13,11 +13,10 @@
 //! step is its 8 codes, and register `i` of the A fragment is
 //! `((q << 4i) & 0x80008000) | (((q << 4i) >> 6) & 0x01c001c0)`: the code's sign, exponent
 //! and mantissa bits moved into bf16's, which reads `e2m1 * 2^-126` exactly (code 1, 0.5,
-//! lands on the bf16 subnormal `2^-127`; the tensor cores keep bf16 subnormals). The
-//! activations are scaled by `2^64` as they are rounded to bf16, so each step's MMA (one
-//! block: one scale per row) yields `sum a * e2m1 * 2^-62`, normal in f32; the step's sum is
-//! multiplied by the block scale into the accumulator, and `2^62 * global` is applied once.
-//! This needs `|a| < 2^63`.
+//! lands on the bf16 subnormal `2^-127`). One bf16x2 multiply by the row's block scale as
+//! stored there (`scale * 2^112`) makes it `e2m1 * scale * 2^-14`: normal and exact (at most
+//! 6 significant bits), so the MMAs accumulate every step into one accumulator and
+//! `2^14 * global` is applied once at the end.
 //!
 //! bf16 weights stay row-major: a lane reads 16 contiguous bytes of rows `g` and `g + 8` per
 //! 32 columns, and the activations are read in the same permuted column order (fragment
@@ -28,8 +27,8 @@
 use cubecl::prelude::*;
 use half::bf16;
 
+use super::fragments::scale_pair;
 use super::kernel::find_expert;
-use crate::formats::TWO_POW_120;
 
 type Frag = Vector<bf16, Const<2>>;
 type Acc = Vector<f32, Const<2>>;
@@ -52,10 +51,8 @@ pub struct GemvConfig {
     pub grouped: bool,
 }
 
-/// `2^64`: the activations' scale on the NVFP4 path.
-const TWO_POW_64: f32 = 18446744073709551616.0;
-/// `2^62`: restores the NVFP4 path's sums (`2^64 * 2^-126 = 2^-62`).
-const TWO_POW_62: f32 = 4611686018427387904.0;
+/// `2^14`: restores the NVFP4 path's sums (`2^-126 * 2^112 = 2^-14`).
+const TWO_POW_14: f32 = 16384.0;
 
 /// Grid: (weight tiles / `tiles`, token groups or, grouped, A's rows); `32 * warps` units.
 /// Trusts `k % 64 == 0`, NVFP4 `n % 16 == 0` in the fragment layout, validated buffers.
@@ -109,14 +106,14 @@ pub fn gemv_kernel<F: Float>(
         }
         let mut scale = 1.0f32;
         if comptime!(cfg.nvfp4) {
-            scale = f32::reinterpret(global_scales[expert]) * TWO_POW_62;
+            scale = f32::reinterpret(global_scales[expert]) * TWO_POW_14;
         }
         reduce_and_store(&acc, out, token0, count, n, scale, cfg);
     }
 }
 
-/// The B fragments (2 per step, 4 steps) of token group `grp` for chunk `kc`, scaled by
-/// `prescale` and rounded to bf16. Step `s` reads 4 consecutive activations at
+/// The B fragments (2 per step, 4 steps) of token group `grp` for chunk `kc`, rounded to
+/// bf16. Step `s` reads 4 consecutive activations at
 /// `kc * 64 + offset(s)`: `16 s + 4 c` (NVFP4 fragments) or `32 (s / 2) + 8 c + 4 (s % 2)`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -127,7 +124,6 @@ fn activations<F: Float>(
     grp: usize,
     k: usize,
     kc: usize,
-    prescale: f32,
     #[comptime] nvfp4: bool,
 ) -> Array<Frag> {
     let lane = UNIT_POS_X as usize % 32;
@@ -150,22 +146,12 @@ fn activations<F: Float>(
         #[unroll]
         for p in 0..2usize {
             let mut f = Frag::empty();
-            f[0] = bf16::cast_from(f32::cast_from(raw[s][2 * p]) * prescale);
-            f[1] = bf16::cast_from(f32::cast_from(raw[s][2 * p + 1]) * prescale);
+            f[0] = bf16::cast_from(raw[s][2 * p]);
+            f[1] = bf16::cast_from(raw[s][2 * p + 1]);
             frags[s * 2 + p] = f;
         }
     }
     frags
-}
-
-/// Block scale byte `b` (0..4) of `word`, in f32 (seven-bit magnitudes, see `fragments.rs`).
-#[cube]
-fn scale_at(word: u32, #[comptime] b: u32) -> f32 {
-    let mut bits = word >> 4;
-    if comptime!(b < 3) {
-        bits = word << comptime!(20 - 8 * b);
-    }
-    f32::reinterpret(bits & 0x07f0_0000u32) * TWO_POW_120
 }
 
 /// Runs `cfg.depth` NVFP4 chunks (`kc`, `kc + warps`, ...), loading all their weights first.
@@ -213,7 +199,7 @@ fn nvfp4_chunks<F: Float>(
             let mut b = Array::<Frag>::new(comptime!((cfg.groups * 8) as usize));
             #[unroll]
             for grp in 0..groups {
-                let f = activations(a, token0, count, grp, k, kc, TWO_POW_64, true);
+                let f = activations(a, token0, count, grp, k, kc, true);
                 #[unroll]
                 for i in 0..8usize {
                     b[grp * 8 + i] = f[i];
@@ -226,28 +212,38 @@ fn nvfp4_chunks<F: Float>(
                 #[unroll]
                 for s in 0..4usize {
                     let q = words[s];
+                    // Rows g (registers 0, 2) and g + 8 (1, 3).
+                    let scale_word = sw[s / 2];
+                    let s_g =
+                        Frag::reinterpret(scale_pair(scale_word, comptime!(2 * (s as u32 % 2))));
+                    let s_g8 = Frag::reinterpret(scale_pair(
+                        scale_word,
+                        comptime!(2 * (s as u32 % 2) + 1),
+                    ));
                     let mut af = Array::<Frag>::new(4usize);
                     #[unroll]
                     for i in 0..4u32 {
                         let x = q << (4 * i);
-                        af[i as usize] =
+                        let w =
                             Frag::reinterpret((x & 0x8000_8000u32) | ((x >> 6) & 0x01c0_01c0u32));
+                        if comptime!(i % 2 == 0) {
+                            af[i as usize] = w * s_g;
+                        } else {
+                            af[i as usize] = w * s_g8;
+                        }
                     }
-                    let scale_word = sw[s / 2];
-                    let s_lo = scale_at(scale_word, comptime!(2 * (s as u32 % 2)));
-                    let s_hi = scale_at(scale_word, comptime!(2 * (s as u32 % 2) + 1));
                     #[unroll]
                     for grp in 0..groups {
                         let mut bf = Array::<Frag>::new(2usize);
                         bf[0] = b[grp * 8 + s * 2];
                         bf[1] = b[grp * 8 + s * 2 + 1];
-                        let mut d_acc = Array::<Acc>::new(2usize);
-                        d_acc[0] = Acc::new(0.0);
-                        d_acc[1] = Acc::new(0.0);
-                        mma.execute_inplace(&af, &bf, &mut d_acc);
-                        let at = (t * groups + grp) * 2;
-                        acc[at] += d_acc[0] * Acc::new(s_lo);
-                        acc[at + 1] += d_acc[1] * Acc::new(s_hi);
+                        let i = (t * groups + grp) * 2;
+                        let mut c_acc = Array::<Acc>::new(2usize);
+                        c_acc[0] = acc[i];
+                        c_acc[1] = acc[i + 1];
+                        mma.execute_inplace(&af, &bf, &mut c_acc);
+                        acc[i] = c_acc[0];
+                        acc[i + 1] = c_acc[1];
                     }
                 }
             }
@@ -303,7 +299,7 @@ fn bf16_chunks<F: Float>(
             let mut b = Array::<Frag>::new(comptime!((cfg.groups * 8) as usize));
             #[unroll]
             for grp in 0..groups {
-                let f = activations(a, token0, count, grp, k, kc, 1.0f32, false);
+                let f = activations(a, token0, count, grp, k, kc, false);
                 #[unroll]
                 for i in 0..8usize {
                     b[grp * 8 + i] = f[i];

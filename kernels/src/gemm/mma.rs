@@ -25,6 +25,7 @@
 use cubecl::prelude::*;
 use half::bf16;
 
+use super::fragments::{scale_pair, TWO_POW_MINUS_112};
 use super::WeightFormat;
 use crate::formats::{e2m1_to_f32, e4m3_to_f32};
 
@@ -145,9 +146,14 @@ pub fn mma_gemm_kernel<F: Float>(
                 #[unroll]
                 for s in 0..4usize {
                     let word = w_raw[0][s];
-                    let scale_word = s_raw[s / 2] >> comptime!(16 * (s as u32 % 2));
-                    let s_g = e4m3_to_f32(scale_word & 0xff);
-                    let s_g8 = e4m3_to_f32((scale_word >> 8) & 0xff);
+                    // Fragment scales: bf16 `scale * 2^112` (see `fragments.rs`).
+                    let scale_word = s_raw[s / 2];
+                    let s_g = f32::reinterpret(
+                        scale_pair(scale_word, comptime!(2 * (s as u32 % 2))) << 16,
+                    ) * TWO_POW_MINUS_112;
+                    let s_g8 = f32::reinterpret(
+                        scale_pair(scale_word, comptime!(2 * (s as u32 % 2) + 1)) << 16,
+                    ) * TWO_POW_MINUS_112;
                     let mut v = Bf16x8::empty();
                     #[unroll]
                     for i in 0..4u32 {
