@@ -1,6 +1,6 @@
 //! The tensor-core decode GEMM (CUDA `mma.sync m16n8k16`, bf16 operands, f32 accumulators):
-//! `C[M, N] = A[M, K] W[N, K]^T` for dense `M <= 16` and the grouped MoE GEMM at decode
-//! sizes, where the time is the weight read.
+//! `C[M, N] = A[M, K] W[N, K]^T` for dense `M <= 64` and the grouped MoE GEMM at decode
+//! sizes, where the time is the weight read (up to M = 16) or the MMAs (up to 64).
 //!
 //! The weights are the MMA's A operand (16 rows), the tokens its B operand (8 per group), so
 //! one decoded weight serves up to 8 tokens per instruction and nothing goes through shared
@@ -41,7 +41,7 @@ pub struct GemvConfig {
     pub nvfp4: bool,
     /// 16-row weight tiles per cube.
     pub tiles: u32,
-    /// Groups of 8 tokens per cube (1 or 2).
+    /// Groups of 8 tokens per cube (1..=8).
     pub groups: u32,
     /// Warps per cube, splitting K.
     pub warps: u32,
@@ -172,7 +172,6 @@ fn nvfp4_chunks<F: Float>(
 ) {
     let depth = comptime!(cfg.depth as usize);
     let tiles = comptime!(cfg.tiles as usize);
-    let groups = comptime!(cfg.groups as usize);
     let lane = UNIT_POS_X as usize % 32;
     let (n, k) = (n as usize, k as usize);
     let chunks = k / 64;
@@ -190,21 +189,12 @@ fn nvfp4_chunks<F: Float>(
             sraw[d * tiles + t] = scales[tile * 8 + lane / 4];
         }
     }
-    let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     #[unroll]
     for d in 0..depth {
         let kc = kc0 + d * comptime!(cfg.warps as usize);
         // Uniform per warp.
         if kc < chunks {
-            let mut b = Array::<Frag>::new(comptime!((cfg.groups * 8) as usize));
-            #[unroll]
-            for grp in 0..groups {
-                let f = activations(a, token0, count, grp, k, kc, true);
-                #[unroll]
-                for i in 0..8usize {
-                    b[grp * 8 + i] = f[i];
-                }
-            }
+            let mut af = Array::<Frag>::new(comptime!((cfg.tiles * 16) as usize));
             #[unroll]
             for t in 0..tiles {
                 let words = raw[d * tiles + t];
@@ -220,33 +210,21 @@ fn nvfp4_chunks<F: Float>(
                         scale_word,
                         comptime!(2 * (s as u32 % 2) + 1),
                     ));
-                    let mut af = Array::<Frag>::new(4usize);
                     #[unroll]
                     for i in 0..4u32 {
                         let x = q << (4 * i);
                         let w =
                             Frag::reinterpret((x & 0x8000_8000u32) | ((x >> 6) & 0x01c0_01c0u32));
+                        let at = (t * 4 + s) * 4 + i as usize;
                         if comptime!(i % 2 == 0) {
-                            af[i as usize] = w * s_g;
+                            af[at] = w * s_g;
                         } else {
-                            af[i as usize] = w * s_g8;
+                            af[at] = w * s_g8;
                         }
-                    }
-                    #[unroll]
-                    for grp in 0..groups {
-                        let mut bf = Array::<Frag>::new(2usize);
-                        bf[0] = b[grp * 8 + s * 2];
-                        bf[1] = b[grp * 8 + s * 2 + 1];
-                        let i = (t * groups + grp) * 2;
-                        let mut c_acc = Array::<Acc>::new(2usize);
-                        c_acc[0] = acc[i];
-                        c_acc[1] = acc[i + 1];
-                        mma.execute_inplace(&af, &bf, &mut c_acc);
-                        acc[i] = c_acc[0];
-                        acc[i + 1] = c_acc[1];
                     }
                 }
             }
+            chunk_mmas(a, &af, acc, token0, count, k, kc, cfg);
         }
     }
 }
@@ -269,7 +247,6 @@ fn bf16_chunks<F: Float>(
 ) {
     let depth = comptime!(cfg.depth as usize);
     let tiles = comptime!(cfg.tiles as usize);
-    let groups = comptime!(cfg.groups as usize);
     let lane = UNIT_POS_X as usize % 32;
     let (g, c) = (lane / 4, lane % 4);
     let (n, k) = (n as usize, k as usize);
@@ -291,45 +268,67 @@ fn bf16_chunks<F: Float>(
             }
         }
     }
-    let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     #[unroll]
     for d in 0..depth {
         let kc = kc0 + d * comptime!(cfg.warps as usize);
+        // Uniform per warp.
         if kc < chunks {
-            let mut b = Array::<Frag>::new(comptime!((cfg.groups * 8) as usize));
-            #[unroll]
-            for grp in 0..groups {
-                let f = activations(a, token0, count, grp, k, kc, false);
-                #[unroll]
-                for i in 0..8usize {
-                    b[grp * 8 + i] = f[i];
-                }
-            }
+            let mut af = Array::<Frag>::new(comptime!((cfg.tiles * 16) as usize));
             #[unroll]
             for t in 0..tiles {
                 let at = (d * tiles + t) * 4;
                 #[unroll]
                 for s in 0..4usize {
                     let (h, w) = (s / 2, 2 * (s % 2));
-                    let mut af = Array::<Frag>::new(4usize);
-                    af[0] = Frag::reinterpret(raw[at + h][w]);
-                    af[1] = Frag::reinterpret(raw[at + 2 + h][w]);
-                    af[2] = Frag::reinterpret(raw[at + h][w + 1]);
-                    af[3] = Frag::reinterpret(raw[at + 2 + h][w + 1]);
-                    #[unroll]
-                    for grp in 0..groups {
-                        let mut bf = Array::<Frag>::new(2usize);
-                        bf[0] = b[grp * 8 + s * 2];
-                        bf[1] = b[grp * 8 + s * 2 + 1];
-                        let i = (t * groups + grp) * 2;
-                        let mut c_acc = Array::<Acc>::new(2usize);
-                        c_acc[0] = acc[i];
-                        c_acc[1] = acc[i + 1];
-                        mma.execute_inplace(&af, &bf, &mut c_acc);
-                        acc[i] = c_acc[0];
-                        acc[i + 1] = c_acc[1];
-                    }
+                    let f = (t * 4 + s) * 4;
+                    af[f] = Frag::reinterpret(raw[at + h][w]);
+                    af[f + 1] = Frag::reinterpret(raw[at + 2 + h][w]);
+                    af[f + 2] = Frag::reinterpret(raw[at + h][w + 1]);
+                    af[f + 3] = Frag::reinterpret(raw[at + 2 + h][w + 1]);
                 }
+            }
+            chunk_mmas(a, &af, acc, token0, count, k, kc, cfg);
+        }
+    }
+}
+
+/// One chunk's MMAs: for each token group, its B fragments (read once) against every
+/// tile's and step's A fragments (`af[(tile * 4 + step) * 4 + register]`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn chunk_mmas<F: Float>(
+    a: &Array<Vector<F, Const<4>>>,
+    af: &Array<Frag>,
+    acc: &mut Array<Acc>,
+    token0: usize,
+    count: usize,
+    k: usize,
+    kc: usize,
+    #[comptime] cfg: GemvConfig,
+) {
+    let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+    #[unroll]
+    for grp in 0..comptime!(cfg.groups as usize) {
+        let b = activations(a, token0, count, grp, k, kc, cfg.nvfp4);
+        #[unroll]
+        for t in 0..comptime!(cfg.tiles as usize) {
+            #[unroll]
+            for s in 0..4usize {
+                let mut a_frag = Array::<Frag>::new(4usize);
+                #[unroll]
+                for i in 0..4usize {
+                    a_frag[i] = af[(t * 4 + s) * 4 + i];
+                }
+                let mut b_frag = Array::<Frag>::new(2usize);
+                b_frag[0] = b[s * 2];
+                b_frag[1] = b[s * 2 + 1];
+                let i = (t * comptime!(cfg.groups as usize) + grp) * 2;
+                let mut c = Array::<Acc>::new(2usize);
+                c[0] = acc[i];
+                c[1] = acc[i + 1];
+                mma.execute_inplace(&a_frag, &b_frag, &mut c);
+                acc[i] = c[0];
+                acc[i + 1] = c[1];
             }
         }
     }

@@ -13,7 +13,7 @@
 //! the device (no host sync), so a decode step that routes on the device can call it.
 //!
 //! Four kernels ([`GemmPath`] says which one a GEMM runs):
-//! - `gemv` (CUDA tensor cores) for decode: dense `M <= 16`, grouped `M <= 1024`, NVFP4 in
+//! - `gemv` (CUDA tensor cores) for decode: dense `M <= 64`, grouped `M <= 1024`, NVFP4 in
 //!   the fragment layout or bf16 with `K % 64 == 0`: weights straight from global memory into
 //!   MMA fragments, a cube per run of one expert's rows so only touched experts are read;
 //! - [`skinny`] for decode elsewhere (`K % 32 == 0` for NVFP4, `K % 8 == 0` for bf16): a
@@ -42,6 +42,9 @@ pub const BLOCK: usize = 16;
 const CUBE_N: u32 = 64;
 /// The largest M the decode (skinny) kernel takes.
 pub const SKINNY_MAX_M: usize = 16;
+/// The largest M a dense GEMM sends through the tensor-core GEMV (8 token groups per
+/// decoded weight; past it the tiled kernel's shared-memory reuse wins).
+pub const GEMV_MAX_M: usize = 64;
 /// The most rows a grouped GEMM sends through the skinny kernel (128 tokens x top-8): at
 /// Kimi's shapes it streams the touched experts at 27-33% of copy against the tiled kernel's
 /// 11% up to there (`benches/RESULTS.md`).
@@ -459,16 +462,21 @@ fn gemm_path<R: Runtime>(
     fragments: bool,
     grouped: bool,
 ) -> GemmPath {
-    let decode = if grouped {
+    let skinny = if grouped {
         takes_grouped_skinny(m, k, n, format)
     } else {
         takes_skinny(m, k, format)
     };
     let tensor_cores = uses_tensor_cores(client, k);
     let gemv_weights = fragments || (format == WeightFormat::Bf16 && tensor_cores);
-    if decode && gemv_weights {
+    let gemv_rows = if grouped {
+        m <= GROUPED_SKINNY_MAX_M && n <= 65_535
+    } else {
+        m <= GEMV_MAX_M
+    };
+    if gemv_weights && gemv_rows {
         GemmPath::Gemv
-    } else if decode {
+    } else if skinny {
         GemmPath::Skinny
     } else if tensor_cores {
         GemmPath::TensorCores
@@ -616,8 +624,10 @@ fn launch_gemv<R: Runtime, F: Float + CubeElement>(
         .num_streaming_multiprocessors
         .unwrap_or(1) as usize;
     let row_tiles = n.div_ceil(16);
-    // Two tiles per cube halve the activation work where N still gives >= 4 cubes per SM.
-    let tiles = if !grouped && row_tiles >= 8 * sms {
+    let groups = if grouped { 1 } else { m.div_ceil(8) };
+    // Two tiles per cube halve the activation work where N still gives >= 4 cubes per SM
+    // (and the accumulators of 2 tiles x groups fit the registers).
+    let tiles = if !grouped && groups <= 2 && row_tiles >= 8 * sms {
         2
     } else {
         1
@@ -625,7 +635,8 @@ fn launch_gemv<R: Runtime, F: Float + CubeElement>(
     let cubes = row_tiles.div_ceil(tiles);
     // The time is DRAM latency unless each SM has ~100 KB of loads in flight: ~32 warps per
     // SM (dense layers with few row tiles split K over more warps per cube), each loading
-    // up to 4 KB of weights (all of its chunks where they fit) before decoding any.
+    // up to 4 KB of weights (all of its chunks where they fit) before decoding any. The
+    // warps' partial sums share 48 KB of shared memory (512 bytes per tile and group).
     let chunks = k / 64;
     let warps = if grouped {
         4
@@ -635,23 +646,19 @@ fn launch_gemv<R: Runtime, F: Float + CubeElement>(
             .next_power_of_two()
             .clamp(2, 16)
             .min(chunks.max(1))
+            .min(96 / (tiles * groups))
     };
     let max_depth = if nvfp4 { 8 / tiles } else { 4 / tiles };
     let depth = chunks.div_ceil(warps).clamp(1, max_depth);
-    let groups = if !grouped && m > 8 { 2 } else { 1 };
     let cfg = gemv::GemvConfig {
         nvfp4,
         tiles: tiles as u32,
-        groups,
+        groups: groups as u32,
         warps: warps as u32,
         depth: depth as u32,
         grouped,
     };
-    let y = if grouped {
-        m as u32
-    } else {
-        (m as u32).div_ceil(8 * groups)
-    };
+    let y = if grouped { m as u32 } else { 1 };
     let offsets = expert_offsets.unwrap_or(data);
     // SAFETY: validated shapes; the weight words bind every slot the format does not read.
     unsafe {

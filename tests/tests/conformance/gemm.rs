@@ -79,16 +79,17 @@ fn bf16_weights<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
 }
 
 /// Shapes for the tiled kernel (CUDA tensor cores; the portable kernel elsewhere): M past
-/// the skinny limit with partial 64-row tiles, N with a partial 128-column tile, K of one and
+/// the decode kernels' limits with partial 64-row tiles (NVFP4 in the fragment layout where
+/// N % 16 == 0), N with a partial 128-column tile, K of one and
 /// of three 64-steps, K split over cubes (few tiles, 16+ steps), and experts with several
 /// tiles, a partial one and none.
 fn tiled_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
     for (i, (m, n, k)) in [
         (17, 21, 64),
-        (64, 128, 192),
+        (80, 128, 192),
         (65, 200, 64),
         (130, 37, 128),
-        (20, 96, 1088),
+        (70, 96, 1088),
     ]
     .into_iter()
     .enumerate()
@@ -125,6 +126,11 @@ fn tiled_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeC
     run_gemm::<R, F>(client, &grouped, false)
         .unwrap()
         .assert_passed();
+    // ... and with weights that tile (fragment layout on CUDA).
+    let grouped = GemmCase::grouped(rows.clone(), 160, 128, 422);
+    run_gemm::<R, F>(client, &grouped, false)
+        .unwrap()
+        .assert_passed();
     let grouped_bf16 = GemmCase {
         format: WeightFormat::Bf16,
         ..GemmCase::grouped(rows, 150, 128, 421)
@@ -135,11 +141,11 @@ fn tiled_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeC
 }
 
 /// Shapes whose NVFP4 weights tile (N % 16 == 0, K % 64 == 0): on CUDA the fragment layout
-/// and the tensor-core GEMV (1 and 2 token groups, partial groups, K split over warps, runs
+/// and the tensor-core GEMV (1 to 8 token groups, partial groups, K split over warps, runs
 /// of one expert's rows up to 8 and past it), elsewhere the other kernels on the same cases.
 fn tiled_weight_shapes<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
     let dense = (
-        1usize..=16,
+        1usize..=64,
         1usize..=12,
         1usize..=6,
         any::<bool>(),
@@ -192,8 +198,8 @@ fn fragment_weights_take_the_gemv<R: Runtime>(client: &ComputeClient<R>) {
     assert_eq!(weights.layout, expected);
     if expected == Nvfp4Layout::Fragments {
         assert_eq!(weights.path(client, 1, false), GemmPath::Gemv);
-        assert_eq!(weights.path(client, 16, false), GemmPath::Gemv);
-        assert_eq!(weights.path(client, 17, false), GemmPath::TensorCores);
+        assert_eq!(weights.path(client, 64, false), GemmPath::Gemv);
+        assert_eq!(weights.path(client, 65, false), GemmPath::TensorCores);
         assert_eq!(weights.path(client, 1024, true), GemmPath::Gemv);
     } else {
         eprintln!("SKIP fragment_weights_take_the_gemv: no bf16 tensor cores here");
