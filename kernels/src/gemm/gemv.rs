@@ -1,6 +1,7 @@
 //! The tensor-core decode GEMM (CUDA `mma.sync m16n8k16`, bf16 operands, f32 accumulators):
-//! `C[M, N] = A[M, K] W[N, K]^T` for dense `M <= 64` and the grouped MoE GEMM at decode
-//! sizes, where the time is the weight read (up to M = 16) or the MMAs (up to 64).
+//! `C[M, N] = A[M, K] W[N, K]^T` for dense decode GEMMs (`M <= GEMV_MAX_M`; the kernel
+//! takes up to 8 groups of 8 tokens) and the grouped MoE GEMM at decode sizes, where the
+//! time is the weight read.
 //!
 //! The weights are the MMA's A operand (16 rows), the tokens its B operand (8 per group), so
 //! one decoded weight serves up to 8 tokens per instruction and nothing goes through shared

@@ -13,7 +13,7 @@
 //! the device (no host sync), so a decode step that routes on the device can call it.
 //!
 //! Four kernels ([`GemmPath`] says which one a GEMM runs):
-//! - `gemv` (CUDA tensor cores) for decode: dense `M <= 64`, grouped `M <= 1024`, NVFP4 in
+//! - `gemv` (CUDA tensor cores) for decode: dense `M <= 16`, grouped `M <= 1024`, NVFP4 in
 //!   the fragment layout or bf16 with `K % 64 == 0`: weights straight from global memory into
 //!   MMA fragments, a cube per run of one expert's rows so only touched experts are read;
 //! - [`skinny`] for decode elsewhere (`K % 32 == 0` for NVFP4, `K % 8 == 0` for bf16): a
@@ -42,9 +42,10 @@ pub const BLOCK: usize = 16;
 const CUBE_N: u32 = 64;
 /// The largest M the decode (skinny) kernel takes.
 pub const SKINNY_MAX_M: usize = 16;
-/// The largest M a dense GEMM sends through the tensor-core GEMV (8 token groups per
-/// decoded weight; past it the tiled kernel's shared-memory reuse wins).
-pub const GEMV_MAX_M: usize = 64;
+/// The largest M a dense GEMM sends through the tensor-core GEMV. The kernel takes up to 8
+/// token groups, but at M = 64 it only matches the tiled kernel for NVFP4 (0.7-1.3x) and
+/// loses for bf16 (0.4-0.6x, `benches/RESULTS.md`), so dense GEMMs past 16 rows go tiled.
+pub const GEMV_MAX_M: usize = 16;
 /// The most rows a grouped GEMM sends through the skinny kernel (128 tokens x top-8): at
 /// Kimi's shapes it streams the touched experts at 27-33% of copy against the tiled kernel's
 /// 11% up to there (`benches/RESULTS.md`).

@@ -14,7 +14,7 @@ use kiln_conformance::Activation;
 use kiln_kernels::gemm::fragments::{from_fragments_host, to_fragments, to_fragments_host};
 use kiln_kernels::gemm::{
     bf16_gemm, nvfp4_gemm, nvfp4_grouped_gemm, nvfp4_layout, Bf16Weights, GemmPath, Nvfp4Layout,
-    Nvfp4Weights, WeightFormat,
+    Nvfp4Weights, WeightFormat, GEMV_MAX_M,
 };
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::Rng;
@@ -198,8 +198,11 @@ fn fragment_weights_take_the_gemv<R: Runtime>(client: &ComputeClient<R>) {
     assert_eq!(weights.layout, expected);
     if expected == Nvfp4Layout::Fragments {
         assert_eq!(weights.path(client, 1, false), GemmPath::Gemv);
-        assert_eq!(weights.path(client, 64, false), GemmPath::Gemv);
-        assert_eq!(weights.path(client, 65, false), GemmPath::TensorCores);
+        assert_eq!(weights.path(client, GEMV_MAX_M, false), GemmPath::Gemv);
+        assert_eq!(
+            weights.path(client, GEMV_MAX_M + 1, false),
+            GemmPath::TensorCores
+        );
         assert_eq!(weights.path(client, 1024, true), GemmPath::Gemv);
     } else {
         eprintln!("SKIP fragment_weights_take_the_gemv: no bf16 tensor cores here");
