@@ -15,6 +15,7 @@ use std::time::Duration;
 use cubecl::prelude::*;
 use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
 use kiln_kernels::mla::KvFormat;
+use kiln_kernels::Precision;
 
 use crate::cache::CacheKind;
 use crate::metrics::Metrics;
@@ -27,6 +28,8 @@ use crate::scheduler::{policy, Scheduler, SchedulerConfig, Submission};
 pub struct EngineConfig {
     pub backend: BackendKind,
     pub kv_format: KvFormat,
+    /// What the kernels may round (`Precision::Bf16`: tensor cores where available).
+    pub precision: Precision,
     /// Tokens per KV page (64, the MLA kernels' tile, unless testing).
     pub page_size: usize,
     /// KV pages; `None` sizes the pool from the device's free memory.
@@ -160,7 +163,7 @@ impl BackendVisitor for Runner {
             let _ = self.ready.send(Err(e));
         };
         tracing::info!(device = %report.name, backend = ?report.backend, "loading the model");
-        let model = match GpuModel::load(client, &self.ckpt) {
+        let model = match GpuModel::load_with(client, &self.ckpt, self.cfg.precision) {
             Ok(m) => m,
             Err(e) => return fail(e.to_string()),
         };

@@ -36,3 +36,15 @@ pub mod tree_verify;
 
 pub use buffer::DeviceArray;
 pub use error::KernelError;
+
+/// What the GEMM and attention launches may round. With `Bf16` they use the tensor cores
+/// where the device has them, rounding activations (GEMM) and queries and softmax weights
+/// (attention) to bf16, each within its conformance tolerance; `Exact` keeps every operand
+/// in f32 (the decode and portable kernels, and NVFP4 weights stay row-major): slower,
+/// and what a comparison with an f32 model needs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    #[default]
+    Bf16,
+    Exact,
+}

@@ -9,7 +9,7 @@ use kiln_kernels::gemm::{
     bf16_gemm, bf16_grouped_gemm, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, Nvfp4Weights,
     WeightFormat,
 };
-use kiln_kernels::{DeviceArray, KernelError};
+use kiln_kernels::{DeviceArray, KernelError, Precision};
 use kiln_reference::data::{normal_with_outliers, Rng};
 use kiln_reference::formats::{bf16_encode, bf16_round, pack_u16_words};
 use kiln_reference::gemm;
@@ -98,8 +98,17 @@ pub fn upload_weights<R: Runtime>(
         .flat_map(|e| e.scales.iter().copied())
         .collect();
     let globals: Vec<f32> = experts.iter().map(|e| e.global_scale).collect();
-    Nvfp4Weights::upload(client, &packed, &scale_bytes, &globals, experts.len(), n, k)
-        .expect("quantized experts match their shape")
+    Nvfp4Weights::upload(
+        client,
+        &packed,
+        &scale_bytes,
+        &globals,
+        experts.len(),
+        n,
+        k,
+        Precision::Bf16,
+    )
+    .expect("quantized experts match their shape")
 }
 
 /// Runs the case on the device and against the reference.
@@ -158,10 +167,14 @@ pub fn run_gemm<R: Runtime, F: Activation>(
         DeviceArray::upload(client, &words)
     });
     let launch = || match (&weights, &offsets_dev) {
-        (Weights::Bf16(w), None) => bf16_gemm(client, &a_dev, case.m, w, &out),
-        (Weights::Bf16(w), Some(off)) => bf16_grouped_gemm(client, &a_dev, case.m, w, off, &out),
-        (Weights::Nvfp4(w), None) => nvfp4_gemm(client, &a_dev, case.m, w, &out),
-        (Weights::Nvfp4(w), Some(off)) => nvfp4_grouped_gemm(client, &a_dev, case.m, w, off, &out),
+        (Weights::Bf16(w), None) => bf16_gemm(client, &a_dev, case.m, w, &out, Precision::Bf16),
+        (Weights::Bf16(w), Some(off)) => {
+            bf16_grouped_gemm(client, &a_dev, case.m, w, off, &out, Precision::Bf16)
+        }
+        (Weights::Nvfp4(w), None) => nvfp4_gemm(client, &a_dev, case.m, w, &out, Precision::Bf16),
+        (Weights::Nvfp4(w), Some(off)) => {
+            nvfp4_grouped_gemm(client, &a_dev, case.m, w, off, &out, Precision::Bf16)
+        }
     };
     launch()?;
     let (expected, magnitude) = match &offsets {
@@ -179,8 +192,8 @@ pub fn run_gemm<R: Runtime, F: Activation>(
     // to the sum (one more rounding); see `kiln_kernels::gemm`.
     let grouped = case.rows_per_expert.is_some();
     let path = match &weights {
-        Weights::Nvfp4(w) => w.path(client, case.m, grouped),
-        Weights::Bf16(w) => w.path(client, case.m, grouped),
+        Weights::Nvfp4(w) => w.path(client, case.m, grouped, Precision::Bf16),
+        Weights::Bf16(w) => w.path(client, case.m, grouped, Precision::Bf16),
     };
     let tensor_cores = path.rounds_activations();
     let tol = if tensor_cores {

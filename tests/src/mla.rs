@@ -7,6 +7,7 @@
 //! with spare pages between requests, so a wrong block-table lookup reads the wrong data.
 use cubecl::prelude::*;
 use kiln_kernels::mla::{self, AttnMetadata, KvFormat, PagedKvCache};
+use kiln_kernels::Precision;
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};
 use kiln_reference::formats::{bf16_encode, pack_u16_words, pack_u8_words};
@@ -146,17 +147,33 @@ pub fn run_mla<R: Runtime>(
     let q_dev = DeviceArray::upload(client, &q);
     let out = DeviceArray::filled(client, tokens * case.heads * KV_LORA_RANK, f32::NAN);
     let launch = || match case.mode {
-        AttnMode::Decode => mla::mla_decode(client, &q_dev, case.heads, &cache, &meta, scale, &out),
-        AttnMode::Prefill => {
-            mla::mla_prefill(client, &q_dev, case.heads, &cache, &meta, scale, &out)
-        }
+        AttnMode::Decode => mla::mla_decode(
+            client,
+            &q_dev,
+            case.heads,
+            &cache,
+            &meta,
+            scale,
+            &out,
+            Precision::Bf16,
+        ),
+        AttnMode::Prefill => mla::mla_prefill(
+            client,
+            &q_dev,
+            case.heads,
+            &cache,
+            &meta,
+            scale,
+            &out,
+            Precision::Bf16,
+        ),
     };
     launch()?;
     let actual = out.read(client);
 
     let reference = mla_attention(&q, case.heads, &seen, &batch, scale);
     // The tensor-core kernel multiplies bf16 operands (see `kiln_kernels::mla`).
-    let tensor_cores = mla::uses_tensor_cores(client, case.format);
+    let tensor_cores = mla::uses_tensor_cores(client, case.format, Precision::Bf16);
     let operands = if tensor_cores {
         DType::BF16
     } else {

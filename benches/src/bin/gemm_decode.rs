@@ -38,7 +38,7 @@ mod decode {
     use kiln_benches::device_time::{median, Client, SpinTimer, REPS};
     use kiln_benches::HBM_BYTES_PER_S;
     use kiln_kernels::gemm::{bf16_gemm, nvfp4_gemm, Bf16Weights, Nvfp4Weights};
-    use kiln_kernels::DeviceArray;
+    use kiln_kernels::{DeviceArray, Precision};
     use kiln_reference::data::Rng;
     use kiln_reference::nvfp4::Nvfp4Matrix;
     use kiln_reference::tolerance::{DType, Tolerance};
@@ -101,8 +101,12 @@ mod decode {
             i: usize,
         ) {
             let r = match self {
-                Weights::Nvfp4(w, _) => nvfp4_gemm(client, a, m, &w[i % w.len()], out),
-                Weights::Bf16(w, _) => bf16_gemm(client, a, m, &w[i % w.len()], out),
+                Weights::Nvfp4(w, _) => {
+                    nvfp4_gemm(client, a, m, &w[i % w.len()], out, Precision::Bf16)
+                }
+                Weights::Bf16(w, _) => {
+                    bf16_gemm(client, a, m, &w[i % w.len()], out, Precision::Bf16)
+                }
             };
             r.expect("validated shapes");
         }
@@ -143,8 +147,17 @@ mod decode {
             let packed = q.packed_words();
             let w = (0..copies)
                 .map(|_| {
-                    Nvfp4Weights::upload(client, &packed, &q.scales, &[q.global_scale], 1, n, k)
-                        .expect("a quantized matrix matches its shape")
+                    Nvfp4Weights::upload(
+                        client,
+                        &packed,
+                        &q.scales,
+                        &[q.global_scale],
+                        1,
+                        n,
+                        k,
+                        Precision::Bf16,
+                    )
+                    .expect("a quantized matrix matches its shape")
                 })
                 .collect();
             (Weights::Nvfp4(w, q), bytes)

@@ -27,7 +27,7 @@ mod peer {
     use half::bf16;
     use kiln_benches::HBM_BYTES_PER_S;
     use kiln_kernels::gemm::{bf16_gemm, Bf16Weights};
-    use kiln_kernels::DeviceArray;
+    use kiln_kernels::{DeviceArray, Precision};
     use kiln_reference::data::{normal_with_outliers, Rng};
     use kiln_reference::formats::{bf16_encode, pack_u16_words};
     use kiln_reference::gemm::{gemm_nt, gemm_nt_magnitude};
@@ -92,7 +92,7 @@ mod peer {
                 let a_exact: Vec<f32> = a.iter().map(|x| x.to_f32()).collect();
                 let a_dev = DeviceArray::upload(&client, &a);
                 let out = DeviceArray::filled(&client, m * n, f32::NAN);
-                bf16_gemm(&client, &a_dev, m, &ours[0], &out)?;
+                bf16_gemm(&client, &a_dev, m, &ours[0], &out, Precision::Bf16)?;
                 let want = gemm_nt(&a_exact, &w_exact, m, n, k);
                 let mag = gemm_nt_magnitude(&a_exact, &w_exact, m, n, k);
                 let tol = Tolerance::dot(k, DType::F32, DType::F32);
@@ -104,7 +104,8 @@ mod peer {
 
                 let kiln_s = time(|| {
                     for i in 0..ITERS {
-                        bf16_gemm(&client, &a_dev, m, &ours[i % copies], &out).expect("validated");
+                        bf16_gemm(&client, &a_dev, m, &ours[i % copies], &out, Precision::Bf16)
+                            .expect("validated");
                     }
                     cubecl::future::block_on(client.sync()).expect("sync");
                 });

@@ -37,7 +37,7 @@ mod decode {
     use kiln_benches::{fill_word, HBM_BYTES_PER_S};
     use kiln_kernels::fill::fill_random_bits;
     use kiln_kernels::mla::{self, AttnMetadata, KvFormat, PagedKvCache};
-    use kiln_kernels::DeviceArray;
+    use kiln_kernels::{DeviceArray, Precision};
     use kiln_reference::data::{normal_with_outliers, Rng};
     use kiln_reference::formats::bf16_decode;
     use kiln_reference::mla::{fp8_row_decode, mla_attention, AttnBatch, PagedKv, KV_DIM};
@@ -237,9 +237,27 @@ mod decode {
         let launch = |i: usize| {
             let meta = &setup.metas[i % setup.metas.len()];
             if prefill {
-                mla::mla_prefill(client, &q_dev, heads, &setup.cache, meta, scale, &out)
+                mla::mla_prefill(
+                    client,
+                    &q_dev,
+                    heads,
+                    &setup.cache,
+                    meta,
+                    scale,
+                    &out,
+                    Precision::Bf16,
+                )
             } else {
-                mla::mla_decode(client, &q_dev, heads, &setup.cache, meta, scale, &out)
+                mla::mla_decode(
+                    client,
+                    &q_dev,
+                    heads,
+                    &setup.cache,
+                    meta,
+                    scale,
+                    &out,
+                    Precision::Bf16,
+                )
             }
             .expect("validated shapes")
         };
@@ -295,7 +313,7 @@ mod decode {
     pub fn run() -> anyhow::Result<()> {
         let client = CudaRuntime::client(&CudaDevice::default());
         anyhow::ensure!(
-            mla::uses_tensor_cores(&client, KvFormat::Bf16),
+            mla::uses_tensor_cores(&client, KvFormat::Bf16, Precision::Bf16),
             "this device lacks bf16 mma.sync: the tensor-core kernel would not run"
         );
         let timer = SpinTimer::new(&client, Duration::from_millis(4));

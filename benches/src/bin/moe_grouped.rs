@@ -35,7 +35,7 @@ mod moe {
     use kiln_kernels::fill::fill_random_bits;
     use kiln_kernels::gemm::fragments::to_fragments;
     use kiln_kernels::gemm::{nvfp4_grouped_gemm, nvfp4_layout, Nvfp4Layout, Nvfp4Weights};
-    use kiln_kernels::DeviceArray;
+    use kiln_kernels::{DeviceArray, Precision};
     use kiln_reference::data::Rng;
     use kiln_reference::formats::{e2m1_decode, e4m3_decode};
     use kiln_reference::tolerance::{DType, Tolerance};
@@ -90,7 +90,7 @@ mod moe {
         };
         // The engine's load-time re-layout (the check above reads row-major positions, so it
         // covers the re-layout too).
-        match nvfp4_layout(client, n, k) {
+        match nvfp4_layout(client, n, k, Precision::Bf16) {
             Nvfp4Layout::Fragments => to_fragments(client, &row_major).expect("valid weights"),
             Nvfp4Layout::RowMajor => row_major,
         }
@@ -134,7 +134,7 @@ mod moe {
                 let off_dev = DeviceArray::upload(&client, &offsets);
                 let out = DeviceArray::filled(&client, m * n, f32::NAN);
                 let launch = || {
-                    nvfp4_grouped_gemm(&client, &a_dev, m, &w, &off_dev, &out)
+                    nvfp4_grouped_gemm(&client, &a_dev, m, &w, &off_dev, &out, Precision::Bf16)
                         .expect("valid shapes")
                 };
                 launch();

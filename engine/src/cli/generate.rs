@@ -5,7 +5,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 
-use super::KvDtype;
+use super::{KvDtype, PrecisionArg};
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, RequestSlice};
 use kiln::model::tokenizer::TextCodec;
@@ -34,6 +34,9 @@ pub struct GenerateArgs {
     /// KV cache storage.
     #[arg(long, value_enum, default_value_t = KvDtype::Bf16)]
     kv_cache_dtype: KvDtype,
+    /// Kernel precision: bf16 (tensor cores) or exact (f32 operands, slower).
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
+    precision: PrecisionArg,
     /// Backend: wgpu or cuda (default: KILN_BACKEND, else cuda if compiled in).
     #[arg(long)]
     backend: Option<String>,
@@ -64,7 +67,7 @@ impl BackendVisitor for Generate<'_> {
 
     fn visit<R: Runtime>(self, client: ComputeClient<R>, report: DeviceReport) -> Self::Output {
         tracing::info!(device = %report.name, "uploading weights");
-        let model = GpuModel::load(client, self.ckpt)?;
+        let model = GpuModel::load_with(client, self.ckpt, self.args.precision.into())?;
         let total = self.prompt.len() + self.args.max_tokens;
         let pages = total.div_ceil(PAGE);
         let pool = model.kv_pool(pages, PAGE, self.args.kv_cache_dtype.into());

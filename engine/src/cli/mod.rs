@@ -7,6 +7,7 @@ pub mod route;
 pub mod serve;
 
 use kiln_kernels::mla::KvFormat;
+use kiln_kernels::Precision;
 
 /// `--kv-cache-dtype`: how KV rows are stored.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -25,6 +26,26 @@ impl From<KvDtype> for KvFormat {
             KvDtype::F32 => KvFormat::F32,
             KvDtype::Bf16 => KvFormat::Bf16,
             KvDtype::Fp8 => KvFormat::Fp8,
+        }
+    }
+}
+
+/// `--precision`: what the GEMM and attention kernels may round.
+#[derive(Clone, Copy, Debug, Default, clap::ValueEnum)]
+pub enum PrecisionArg {
+    /// Tensor cores where the device has them (bf16 operands, f32 accumulation).
+    #[default]
+    Bf16,
+    /// f32 operands everywhere (no tensor cores): slower; matches an f32 model within
+    /// bf16 rounding, for checking outputs.
+    Exact,
+}
+
+impl From<PrecisionArg> for Precision {
+    fn from(p: PrecisionArg) -> Self {
+        match p {
+            PrecisionArg::Bf16 => Precision::Bf16,
+            PrecisionArg::Exact => Precision::Exact,
         }
     }
 }

@@ -14,7 +14,7 @@ use kiln::model::Checkpoint;
 use kiln::server::{router, AppState, KimiFormat};
 use kiln_backends::BackendKind;
 
-use super::KvDtype;
+use super::{KvDtype, PrecisionArg};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -36,6 +36,9 @@ pub struct ServeArgs {
     /// KV cache storage: bf16, or fp8 (FlashMLA's layout, ~57% of the bytes).
     #[arg(long, value_enum, default_value_t = KvDtype::Bf16)]
     kv_cache_dtype: KvDtype,
+    /// Kernel precision: bf16 (tensor cores) or exact (f32 operands, slower).
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
+    precision: PrecisionArg,
     /// Backend: wgpu or cuda (default: KILN_BACKEND, else CUDA when compiled in).
     #[arg(long)]
     backend: Option<String>,
@@ -91,6 +94,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = EngineConfig {
         backend: kind,
         kv_format: args.kv_cache_dtype.into(),
+        precision: args.precision.into(),
         page_size: args.page_size,
         kv_pages: args.kv_pages,
         memory_reserve: (args.memory_reserve_gib * (1u64 << 30) as f64) as u64,

@@ -43,7 +43,7 @@ pub enum Nvfp4Layout {
 
 /// True when a `[n, k]` matrix can be tiled.
 pub fn shape_fits(n: usize, k: usize) -> bool {
-    n % TILE_ROWS == 0 && k % TILE_K == 0
+    n.is_multiple_of(TILE_ROWS) && k.is_multiple_of(TILE_K)
 }
 
 /// True when every scale byte decodes from its seven low bits: no sign bit (a negative zero

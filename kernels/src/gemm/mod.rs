@@ -34,7 +34,7 @@ use cubecl::prelude::*;
 pub use fragments::Nvfp4Layout;
 
 use crate::buffer::{check_index_space, check_len};
-use crate::{DeviceArray, KernelError};
+use crate::{DeviceArray, KernelError, Precision};
 
 /// Elements per NVFP4 scale block along K.
 pub const BLOCK: usize = 16;
@@ -130,7 +130,7 @@ impl Nvfp4Weights {
 
     /// Uploads `experts` row-major matrices (codes eight per word, scale bytes
     /// `[experts, n, k / 16]`, one global scale per expert) in the layout this device's
-    /// kernels read fastest ([`nvfp4_layout`]; re-laid out on the device).
+    /// kernels read fastest at `precision` ([`nvfp4_layout`]; re-laid out on the device).
     #[allow(clippy::too_many_arguments)]
     pub fn upload<R: Runtime>(
         client: &ComputeClient<R>,
@@ -140,6 +140,7 @@ impl Nvfp4Weights {
         experts: usize,
         n: usize,
         k: usize,
+        precision: Precision,
     ) -> Result<Self, KernelError> {
         let row_major = Nvfp4Weights {
             packed: DeviceArray::upload(client, codes),
@@ -151,7 +152,7 @@ impl Nvfp4Weights {
             layout: Nvfp4Layout::RowMajor,
         };
         row_major.validate()?;
-        if nvfp4_layout(client, n, k) == Nvfp4Layout::Fragments
+        if nvfp4_layout(client, n, k, precision) == Nvfp4Layout::Fragments
             && fragments::fragments_hold(scale_bytes)
         {
             fragments::to_fragments(client, &row_major)
@@ -161,7 +162,13 @@ impl Nvfp4Weights {
     }
 
     /// Which kernel a GEMM of `m` rows over these weights runs on this device.
-    pub fn path<R: Runtime>(&self, client: &ComputeClient<R>, m: usize, grouped: bool) -> GemmPath {
+    pub fn path<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        m: usize,
+        grouped: bool,
+        precision: Precision,
+    ) -> GemmPath {
         let fragments = self.layout == Nvfp4Layout::Fragments;
         gemm_path(
             client,
@@ -171,6 +178,7 @@ impl Nvfp4Weights {
             WeightFormat::Nvfp4,
             fragments,
             grouped,
+            precision,
         )
     }
 }
@@ -184,10 +192,18 @@ fn pack_bytes(bytes: &[u8]) -> Vec<u32> {
 }
 
 /// The layout [`Nvfp4Weights::upload`] gives `[n, k]` matrices with finite, non-negative
-/// block scales on this device: fragments where the tensor-core kernels run and the shape
-/// tiles, row-major elsewhere.
-pub fn nvfp4_layout<R: Runtime>(client: &ComputeClient<R>, n: usize, k: usize) -> Nvfp4Layout {
-    if fragments::shape_fits(n, k) && crate::tensor_cores::has_bf16_mma(client) {
+/// block scales on this device: fragments where the tensor-core kernels run (`Bf16`
+/// precision) and the shape tiles, row-major elsewhere.
+pub fn nvfp4_layout<R: Runtime>(
+    client: &ComputeClient<R>,
+    n: usize,
+    k: usize,
+    precision: Precision,
+) -> Nvfp4Layout {
+    if precision == Precision::Bf16
+        && fragments::shape_fits(n, k)
+        && crate::tensor_cores::has_bf16_mma(client)
+    {
         Nvfp4Layout::Fragments
     } else {
         Nvfp4Layout::RowMajor
@@ -220,7 +236,13 @@ impl Bf16Weights {
     }
 
     /// Which kernel a GEMM of `m` rows over these weights runs on this device.
-    pub fn path<R: Runtime>(&self, client: &ComputeClient<R>, m: usize, grouped: bool) -> GemmPath {
+    pub fn path<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        m: usize,
+        grouped: bool,
+        precision: Precision,
+    ) -> GemmPath {
         gemm_path(
             client,
             m,
@@ -229,6 +251,7 @@ impl Bf16Weights {
             WeightFormat::Bf16,
             false,
             grouped,
+            precision,
         )
     }
 }
@@ -240,6 +263,7 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
     m: usize,
     w: &Nvfp4Weights,
     out: &DeviceArray<f32>,
+    precision: Precision,
 ) -> Result<(), KernelError> {
     if w.experts != 1 {
         return Err(KernelError::Range {
@@ -251,7 +275,7 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
     }
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
-    match w.path(client, m, false) {
+    match w.path(client, m, false, precision) {
         GemmPath::Gemv => launch_gemv(client, a, m, Operand::Nvfp4(w), None, out),
         GemmPath::Skinny => launch_skinny_nvfp4_unchecked(client, a, m, w, None, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), None, out),
@@ -270,12 +294,13 @@ pub fn nvfp4_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     w: &Nvfp4Weights,
     expert_offsets: &DeviceArray<u32>,
     out: &DeviceArray<f32>,
+    precision: Precision,
 ) -> Result<(), KernelError> {
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
     let offsets = Some(expert_offsets);
-    match w.path(client, m, true) {
+    match w.path(client, m, true, precision) {
         GemmPath::Gemv => launch_gemv(client, a, m, Operand::Nvfp4(w), offsets, out),
         GemmPath::Skinny => launch_skinny_nvfp4_unchecked(client, a, m, w, offsets, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), offsets, out),
@@ -291,6 +316,7 @@ pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
     m: usize,
     w: &Bf16Weights,
     out: &DeviceArray<f32>,
+    precision: Precision,
 ) -> Result<(), KernelError> {
     if w.experts != 1 {
         return Err(KernelError::Range {
@@ -302,7 +328,7 @@ pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
     }
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
-    match w.path(client, m, false) {
+    match w.path(client, m, false, precision) {
         GemmPath::Gemv => launch_gemv(client, a, m, Operand::Bf16(w), None, out),
         GemmPath::Skinny => launch_skinny_bf16_unchecked(client, a, m, w, None, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), None, out),
@@ -319,12 +345,13 @@ pub fn bf16_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     w: &Bf16Weights,
     expert_offsets: &DeviceArray<u32>,
     out: &DeviceArray<f32>,
+    precision: Precision,
 ) -> Result<(), KernelError> {
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
     let offsets = Some(expert_offsets);
-    match w.path(client, m, true) {
+    match w.path(client, m, true, precision) {
         GemmPath::Gemv => launch_gemv(client, a, m, Operand::Bf16(w), offsets, out),
         GemmPath::Skinny => launch_skinny_bf16_unchecked(client, a, m, w, offsets, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), offsets, out),
@@ -454,6 +481,7 @@ impl GemmPath {
 /// The kernel an `m x n x k` GEMM (grouped or dense; NVFP4 in the fragment layout when
 /// `fragments`) runs on this device; the public launches dispatch on it, and tests read it
 /// (through the weights' `path`) to know which rounding to expect.
+#[allow(clippy::too_many_arguments)]
 fn gemm_path<R: Runtime>(
     client: &ComputeClient<R>,
     m: usize,
@@ -462,13 +490,14 @@ fn gemm_path<R: Runtime>(
     format: WeightFormat,
     fragments: bool,
     grouped: bool,
+    precision: Precision,
 ) -> GemmPath {
     let skinny = if grouped {
         takes_grouped_skinny(m, k, n, format)
     } else {
         takes_skinny(m, k, format)
     };
-    let tensor_cores = uses_tensor_cores(client, k);
+    let tensor_cores = precision == Precision::Bf16 && uses_tensor_cores(client, k);
     let gemv_weights = fragments || (format == WeightFormat::Bf16 && tensor_cores);
     let gemv_rows = if grouped {
         m <= GROUPED_SKINNY_MAX_M && n <= 65_535

@@ -30,7 +30,7 @@ pub use absorb::{absorb_query, project_values, KvBShape};
 pub use cache_write::write_kv;
 
 use crate::buffer::{check_index_space, check_len};
-use crate::{DeviceArray, KernelError};
+use crate::{DeviceArray, KernelError, Precision};
 
 /// Elements of a key row: 512 latent + 64 rope.
 pub const KV_DIM: usize = 576;
@@ -103,6 +103,7 @@ pub fn mla_decode<R: Runtime>(
     meta: &AttnMetadata,
     softmax_scale: f32,
     out: &DeviceArray<f32>,
+    precision: Precision,
 ) -> Result<(), KernelError> {
     if meta.max_q_len > MAX_DECODE_Q_LEN {
         return Err(KernelError::Range {
@@ -113,7 +114,7 @@ pub fn mla_decode<R: Runtime>(
         });
     }
     validate(client, q, heads, kv, meta, out)?;
-    if uses_tensor_cores(client, kv.format) {
+    if uses_tensor_cores(client, kv.format, precision) {
         launch_mma(client, q, heads, kv, meta, softmax_scale, out);
     } else {
         launch_unchecked(client, q, heads, kv, meta, softmax_scale, out, 1);
@@ -130,9 +131,10 @@ pub fn mla_prefill<R: Runtime>(
     meta: &AttnMetadata,
     softmax_scale: f32,
     out: &DeviceArray<f32>,
+    precision: Precision,
 ) -> Result<(), KernelError> {
     validate(client, q, heads, kv, meta, out)?;
-    if uses_tensor_cores(client, kv.format) {
+    if uses_tensor_cores(client, kv.format, precision) {
         launch_mma(client, q, heads, kv, meta, softmax_scale, out);
     } else {
         launch_unchecked(client, q, heads, kv, meta, softmax_scale, out, PREFILL_TILE);
@@ -141,10 +143,16 @@ pub fn mla_prefill<R: Runtime>(
 }
 
 /// True when [`mla_decode`] and [`mla_prefill`] run the tensor-core kernel for this KV
-/// format: bf16 or fp8 KV on a device with bf16 `mma.sync m16n8k16`, `ldmatrix` and plane
-/// shuffles. Its operands are rounded to bf16 (see `mma.rs`).
-pub fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, format: KvFormat) -> bool {
-    format != KvFormat::F32 && crate::tensor_cores::has_bf16_mma(client)
+/// format: bf16 or fp8 KV at `Bf16` precision on a device with bf16 `mma.sync m16n8k16`,
+/// `ldmatrix` and plane shuffles. Its operands are rounded to bf16 (see `mma.rs`).
+pub fn uses_tensor_cores<R: Runtime>(
+    client: &ComputeClient<R>,
+    format: KvFormat,
+    precision: Precision,
+) -> bool {
+    precision == Precision::Bf16
+        && format != KvFormat::F32
+        && crate::tensor_cores::has_bf16_mma(client)
 }
 
 /// Split count of the tensor-core kernel: enough cubes for two per SM, no split shorter

@@ -16,7 +16,7 @@ use kiln_kernels::gemm::{
     bf16_gemm, nvfp4_gemm, nvfp4_grouped_gemm, nvfp4_layout, Bf16Weights, GemmPath, Nvfp4Layout,
     Nvfp4Weights, WeightFormat, GEMV_MAX_M,
 };
-use kiln_kernels::{DeviceArray, KernelError};
+use kiln_kernels::{DeviceArray, KernelError, Precision};
 use kiln_reference::data::Rng;
 use kiln_reference::nvfp4::Nvfp4Matrix;
 use proptest::prelude::*;
@@ -194,16 +194,25 @@ fn fragment_weights_take_the_gemv<R: Runtime>(client: &ComputeClient<R>) {
         .map(|i| ((i * 37) % 11) as f32 - 5.0)
         .collect();
     let weights = upload_weights(client, &[Nvfp4Matrix::quantize(&w, 32, 128).unwrap()]);
-    let expected = nvfp4_layout(client, 32, 128);
+    let expected = nvfp4_layout(client, 32, 128, Precision::Bf16);
     assert_eq!(weights.layout, expected);
     if expected == Nvfp4Layout::Fragments {
-        assert_eq!(weights.path(client, 1, false), GemmPath::Gemv);
-        assert_eq!(weights.path(client, GEMV_MAX_M, false), GemmPath::Gemv);
         assert_eq!(
-            weights.path(client, GEMV_MAX_M + 1, false),
+            weights.path(client, 1, false, Precision::Bf16),
+            GemmPath::Gemv
+        );
+        assert_eq!(
+            weights.path(client, GEMV_MAX_M, false, Precision::Bf16),
+            GemmPath::Gemv
+        );
+        assert_eq!(
+            weights.path(client, GEMV_MAX_M + 1, false, Precision::Bf16),
             GemmPath::TensorCores
         );
-        assert_eq!(weights.path(client, 1024, true), GemmPath::Gemv);
+        assert_eq!(
+            weights.path(client, 1024, true, Precision::Bf16),
+            GemmPath::Gemv
+        );
     } else {
         eprintln!("SKIP fragment_weights_take_the_gemv: no bf16 tensor cores here");
     }
@@ -313,7 +322,7 @@ fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
     let out = DeviceArray::filled(client, 8, f32::NAN);
     // M disagrees with A's length.
     assert_eq!(
-        nvfp4_gemm(client, &a, 3, &w, &out),
+        nvfp4_gemm(client, &a, 3, &w, &out, Precision::Bf16),
         Err(KernelError::Length {
             what: "activations A",
             expected: 96,
@@ -323,7 +332,7 @@ fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
     // Output too short.
     let short = DeviceArray::filled(client, 7, f32::NAN);
     assert!(matches!(
-        nvfp4_gemm(client, &a, 2, &w, &short),
+        nvfp4_gemm(client, &a, 2, &w, &short, Precision::Bf16),
         Err(KernelError::Length {
             what: "output C",
             ..
@@ -331,7 +340,7 @@ fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
     ));
     // M = 0.
     assert!(matches!(
-        nvfp4_gemm(client, &a, 0, &w, &out),
+        nvfp4_gemm(client, &a, 0, &w, &out, Precision::Bf16),
         Err(KernelError::Range { what: "M", .. })
     ));
     // K not a multiple of the scale block.
@@ -340,7 +349,7 @@ fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
         ..tiny_weights(client, 4, 32)
     };
     assert_eq!(
-        nvfp4_gemm(client, &a, 2, &odd_k, &out),
+        nvfp4_gemm(client, &a, 2, &odd_k, &out, Precision::Bf16),
         Err(KernelError::Alignment {
             what: "K",
             value: 24,
@@ -350,7 +359,7 @@ fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
     // Grouped: offsets must have experts + 1 entries.
     let offsets = DeviceArray::upload(client, &[0u32]);
     assert_eq!(
-        nvfp4_grouped_gemm(client, &a, 2, &w, &offsets, &out),
+        nvfp4_grouped_gemm(client, &a, 2, &w, &offsets, &out, Precision::Bf16),
         Err(KernelError::Length {
             what: "expert offsets",
             expected: 2,
@@ -365,7 +374,7 @@ fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
         k: 3,
     };
     assert_eq!(
-        bf16_gemm(client, &a, 1, &odd, &out),
+        bf16_gemm(client, &a, 1, &odd, &out, Precision::Bf16),
         Err(KernelError::Alignment {
             what: "K (bf16 weights)",
             value: 3,
@@ -381,7 +390,7 @@ fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
         ],
     );
     assert!(matches!(
-        nvfp4_gemm(client, &a, 2, &two, &out),
+        nvfp4_gemm(client, &a, 2, &two, &out, Precision::Bf16),
         Err(KernelError::Range { .. })
     ));
 }
@@ -399,7 +408,7 @@ fn unsupported_dtype_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
     let a = DeviceArray::upload(client, &[bf16::ONE; 32]);
     let out = DeviceArray::filled(client, 4, f32::NAN);
     assert!(matches!(
-        nvfp4_gemm(client, &a, 1, &w, &out),
+        nvfp4_gemm(client, &a, 1, &w, &out, Precision::Bf16),
         Err(KernelError::Unsupported { .. })
     ));
 }

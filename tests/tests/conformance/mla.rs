@@ -7,6 +7,7 @@ use kiln_kernels::mla::{
     absorb_query, mla_decode, mla_prefill, project_values, write_kv, AttnMetadata, KvBShape,
     KvFormat, PagedKvCache,
 };
+use kiln_kernels::Precision;
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::absorb::{self, KvB};
 use kiln_reference::data::{normal_with_outliers, Rng};
@@ -116,7 +117,16 @@ fn bad_metadata_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
     let out = DeviceArray::filled(client, 65 * heads * 512, f32::NAN);
     // Decode takes at most 64 query tokens per request.
     assert!(matches!(
-        mla_decode(client, &q, heads, &cache, &meta(65), 0.1, &out),
+        mla_decode(
+            client,
+            &q,
+            heads,
+            &cache,
+            &meta(65),
+            0.1,
+            &out,
+            Precision::Bf16
+        ),
         Err(KernelError::Range {
             what: "query tokens per request (decode)",
             ..
@@ -124,7 +134,16 @@ fn bad_metadata_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
     ));
     // Query buffer disagrees with num_tokens * heads * 576.
     assert_eq!(
-        mla_prefill(client, &q, heads, &cache, &meta(3), 0.1, &out),
+        mla_prefill(
+            client,
+            &q,
+            heads,
+            &cache,
+            &meta(3),
+            0.1,
+            &out,
+            Precision::Bf16
+        ),
         Err(KernelError::Length {
             what: "queries",
             expected: 3 * heads * 576,
@@ -137,7 +156,16 @@ fn bad_metadata_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
         ..cache
     };
     assert!(matches!(
-        mla_prefill(client, &q, heads, &short, &meta(65), 0.1, &out),
+        mla_prefill(
+            client,
+            &q,
+            heads,
+            &short,
+            &meta(65),
+            0.1,
+            &out,
+            Precision::Bf16
+        ),
         Err(KernelError::Length {
             what: "KV cache (u32 words)",
             ..

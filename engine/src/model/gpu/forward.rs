@@ -96,7 +96,7 @@ impl<R: Runtime> GpuModel<R> {
             None => (t, x),
         };
         let logits = self.scratch(rows * c.vocab_size);
-        self.launched(self.lm_head.apply(cl, &x, rows, &logits))?;
+        self.launched(self.lm_head.apply(cl, &x, rows, &logits, self.precision))?;
         let hidden = batch
             .capture
             .iter()
@@ -150,12 +150,12 @@ impl<R: Runtime> GpuModel<R> {
         match &a.q {
             QProj::Lora { a: qa, norm, b } => {
                 let lat = self.scratch(t * qa.n());
-                self.launched(qa.apply(cl, x, t, &lat))?;
+                self.launched(qa.apply(cl, x, t, &lat, self.precision))?;
                 let lat_n = self.scratch(t * qa.n());
                 self.launched(rmsnorm(cl, &lat, t, norm, eps, &lat_n))?;
-                self.launched(b.apply(cl, &lat_n, t, &q))?;
+                self.launched(b.apply(cl, &lat_n, t, &q, self.precision))?;
             }
-            QProj::Direct(w) => self.launched(w.apply(cl, x, t, &q))?,
+            QProj::Direct(w) => self.launched(w.apply(cl, x, t, &q, self.precision))?,
         }
         let rope = |buf: &DeviceArray<f32>, rows_per_token, row_stride, offset| {
             let layout = RopeLayout {
@@ -176,7 +176,7 @@ impl<R: Runtime> GpuModel<R> {
         };
         self.launched(rope(&q, heads, qk, c.qk_nope_head_dim))?;
         let kv_a = self.scratch(t * 576);
-        self.launched(a.kv_a.apply(cl, x, t, &kv_a))?;
+        self.launched(a.kv_a.apply(cl, x, t, &kv_a, self.precision))?;
         self.launched(rope(&kv_a, 1, 576, 512))?;
         let kv_rows = self.scratch(t * 576);
         self.launched(rmsnorm_prefix(
@@ -206,6 +206,7 @@ impl<R: Runtime> GpuModel<R> {
             &plan.meta,
             self.softmax_scale,
             &latent,
+            self.precision,
         ))?;
         let values = self.scratch(t * heads * c.v_head_dim);
         self.launched(project_values(
@@ -216,7 +217,7 @@ impl<R: Runtime> GpuModel<R> {
             self.kv_b_shape,
             &values,
         ))?;
-        self.launched(a.o.apply(cl, &values, t, out))?;
+        self.launched(a.o.apply(cl, &values, t, out, self.precision))?;
         Ok(())
     }
 
@@ -234,10 +235,10 @@ impl<R: Runtime> GpuModel<R> {
             self.scratch(rows * inter),
             self.scratch(rows * inter),
         );
-        self.launched(m.gate.apply(cl, x, rows, &g))?;
-        self.launched(m.up.apply(cl, x, rows, &u))?;
+        self.launched(m.gate.apply(cl, x, rows, &g, self.precision))?;
+        self.launched(m.up.apply(cl, x, rows, &u, self.precision))?;
         self.launched(silu_mul(cl, &g, &u, &act))?;
-        self.launched(m.down.apply(cl, &act, rows, out))?;
+        self.launched(m.down.apply(cl, &act, rows, out, self.precision))?;
         Ok(())
     }
 
@@ -251,7 +252,7 @@ impl<R: Runtime> GpuModel<R> {
         let (cl, c) = (&self.client, &self.config);
         let (e, k, h) = (c.n_routed_experts, c.num_experts_per_tok, c.hidden_size);
         let logits = self.scratch(t * e);
-        self.launched(m.router.apply(cl, x, t, &logits))?;
+        self.launched(m.router.apply(cl, x, t, &logits, self.precision))?;
         let routing = Routing {
             experts: DeviceArray::uninit(cl, t * k),
             weights: self.scratch(t * k),
@@ -272,15 +273,26 @@ impl<R: Runtime> GpuModel<R> {
             self.scratch(rows * inter),
             self.scratch(rows * inter),
         );
-        self.launched(m.experts.gate.apply_grouped(cl, &xs, rows, &d.offsets, &g))?;
-        self.launched(m.experts.up.apply_grouped(cl, &xs, rows, &d.offsets, &u))?;
-        self.launched(silu_mul(cl, &g, &u, &act))?;
-        let expert_out = self.scratch(rows * h);
         self.launched(
             m.experts
-                .down
-                .apply_grouped(cl, &act, rows, &d.offsets, &expert_out),
+                .gate
+                .apply_grouped(cl, &xs, rows, &d.offsets, &g, self.precision),
         )?;
+        self.launched(
+            m.experts
+                .up
+                .apply_grouped(cl, &xs, rows, &d.offsets, &u, self.precision),
+        )?;
+        self.launched(silu_mul(cl, &g, &u, &act))?;
+        let expert_out = self.scratch(rows * h);
+        self.launched(m.experts.down.apply_grouped(
+            cl,
+            &act,
+            rows,
+            &d.offsets,
+            &expert_out,
+            self.precision,
+        ))?;
         let shared = match &m.shared {
             Some(s) => {
                 let so = self.scratch(t * h);
@@ -432,7 +444,7 @@ impl<R: Runtime> RankStep<'_, R> {
             None => (t, self.x),
         };
         let logits = m.scratch(rows * c.vocab_size);
-        m.launched(m.lm_head.apply(cl, &x, rows, &logits))?;
+        m.launched(m.lm_head.apply(cl, &x, rows, &logits, m.precision))?;
         Ok(logits.read(cl))
     }
 }

@@ -15,7 +15,7 @@ use std::sync::atomic::AtomicUsize;
 use cubecl::prelude::*;
 use kiln_kernels::mla::{KvBShape, KvFormat, PagedKvCache};
 use kiln_kernels::moe::GateParams;
-use kiln_kernels::{DeviceArray, KernelError};
+use kiln_kernels::{DeviceArray, KernelError, Precision};
 use kiln_reference::model::ModelConfig;
 use kiln_reference::rope::{cos_sin_scale, inv_freq, softmax_scale};
 
@@ -130,20 +130,33 @@ pub struct GpuModel<R: Runtime> {
     softmax_scale: f32,
     gate: GateParams,
     kv_b_shape: KvBShape,
+    /// What the GEMM and attention kernels may round (see `kiln_kernels::Precision`).
+    precision: Precision,
     /// Kernel launches issued so far (per model, for the step statistics).
     launches: AtomicUsize,
 }
 
 impl<R: Runtime> GpuModel<R> {
-    /// Uploads every weight of `ckpt` to the device of `client`.
+    /// Uploads every weight of `ckpt` to the device of `client` (tensor cores where the
+    /// device has them: `Precision::Bf16`).
     pub fn load(client: ComputeClient<R>, ckpt: &Checkpoint) -> Result<Self, ModelError> {
-        Self::load_from(client, ckpt)
+        Self::load_from(client, ckpt, Precision::default())
+    }
+
+    /// [`GpuModel::load`] at a chosen precision (`Exact`: f32 operands everywhere).
+    pub fn load_with(
+        client: ComputeClient<R>,
+        ckpt: &Checkpoint,
+        precision: Precision,
+    ) -> Result<Self, ModelError> {
+        Self::load_from(client, ckpt, precision)
     }
 
     /// Uploads every weight `ckpt.config()` names, read from `ckpt`.
     pub(crate) fn load_from(
         client: ComputeClient<R>,
         ckpt: &impl WeightSource,
+        precision: Precision,
     ) -> Result<Self, ModelError> {
         let c = ckpt.config().clone();
         if c.kv_lora_rank != 512 || c.qk_rope_head_dim != 64 {
@@ -160,7 +173,7 @@ impl<R: Runtime> GpuModel<R> {
         };
         let linear = |name: &str, n: usize, k: usize| -> Result<DeviceLinear, LoadError> {
             bar.inc(1);
-            DeviceLinear::upload(cl, &ckpt.linear(name, [n, k])?)
+            DeviceLinear::upload(cl, &ckpt.linear(name, [n, k])?, precision)
         };
         let mlp = |p: &str, inter: usize| -> Result<Mlp, LoadError> {
             Ok(Mlp {
@@ -198,7 +211,7 @@ impl<R: Runtime> GpuModel<R> {
             let ffn = if i < c.first_k_dense_replace {
                 Ffn::Dense(mlp(&format!("{p}.mlp"), c.intermediate_size)?)
             } else {
-                Ffn::Moe(load_moe(ckpt, cl, &p, &c, &bar)?)
+                Ffn::Moe(load_moe(ckpt, cl, &p, &c, &bar, precision)?)
             };
             layers.push(Layer {
                 input_norm: plain(&format!("{p}.input_layernorm.weight"), &[h])?,
@@ -222,11 +235,16 @@ impl<R: Runtime> GpuModel<R> {
             lm_head: linear(head_name, c.vocab_size, h)?,
         };
         bar.finish_and_clear();
-        Ok(Self::assemble(client, c, weights))
+        Ok(Self::assemble(client, c, weights, precision))
     }
 
     /// The model from its weights; everything else is derived from the config.
-    fn assemble(client: ComputeClient<R>, c: ModelConfig, w: Weights) -> Self {
+    fn assemble(
+        client: ComputeClient<R>,
+        c: ModelConfig,
+        w: Weights,
+        precision: Precision,
+    ) -> Self {
         let freqs: Vec<f32> = inv_freq(c.qk_rope_head_dim, &c.rope)
             .iter()
             .map(|&f| f as f32)
@@ -252,6 +270,7 @@ impl<R: Runtime> GpuModel<R> {
                 nope: c.qk_nope_head_dim,
                 v: c.v_head_dim,
             },
+            precision,
             launches: AtomicUsize::new(0),
             config: c,
             client,
@@ -284,6 +303,7 @@ fn load_moe<R: Runtime>(
     p: &str,
     c: &ModelConfig,
     bar: &ProgressBar,
+    precision: Precision,
 ) -> Result<Moe, LoadError> {
     let (h, inter, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
     let experts = |proj: &str, shape: [usize; 2]| -> Result<DeviceLinear, LoadError> {
@@ -293,14 +313,18 @@ fn load_moe<R: Runtime>(
                 ckpt.linear(&format!("{p}.mlp.experts.{j}.{proj}.weight"), shape)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        DeviceLinear::upload_experts(cl, &loaded)
+        DeviceLinear::upload_experts(cl, &loaded, precision)
     };
     let shared = if c.n_shared_experts > 0 {
         let si = inter * c.n_shared_experts;
         let sp = format!("{p}.mlp.shared_experts");
         let lin = |n: &str, shape| -> Result<DeviceLinear, LoadError> {
             bar.inc(1);
-            DeviceLinear::upload(cl, &ckpt.linear(&format!("{sp}.{n}.weight"), shape)?)
+            DeviceLinear::upload(
+                cl,
+                &ckpt.linear(&format!("{sp}.{n}.weight"), shape)?,
+                precision,
+            )
         };
         Some(Mlp {
             gate: lin("gate_proj", [si, h])?,
@@ -313,7 +337,7 @@ fn load_moe<R: Runtime>(
     let router = ckpt.plain(&format!("{p}.mlp.gate.weight"), &[e, h])?;
     bar.inc(2);
     Ok(Moe {
-        router: DeviceLinear::upload(cl, &LoadedWeight::Dense(router))?,
+        router: DeviceLinear::upload(cl, &LoadedWeight::Dense(router), precision)?,
         bias: vector(
             cl,
             &ckpt.plain(&format!("{p}.mlp.gate.e_score_correction_bias"), &[e])?,

@@ -5,6 +5,7 @@ use cubecl::prelude::*;
 use kiln_kernels::fill::fill_random_bits;
 use kiln_kernels::gemm::{nvfp4_layout, Bf16Weights, Nvfp4Weights};
 use kiln_kernels::DeviceArray;
+use kiln_kernels::Precision;
 use kiln_reference::model::ModelConfig;
 
 use super::{Attention, DeviceLinear, Ffn, GpuModel, Layer, Mlp, ModelError, Moe, QProj, Weights};
@@ -51,7 +52,7 @@ impl<R: Runtime> Filler<'_, R> {
             n,
             k,
             // Random codes and positive, finite scales are valid in either layout.
-            layout: nvfp4_layout(self.client, n, k),
+            layout: nvfp4_layout(self.client, n, k, Precision::default()),
         }))
     }
 
@@ -148,7 +149,7 @@ impl<R: Runtime> GpuModel<R> {
             norm: f.ones(h),
             lm_head: f.bf16(1, c.vocab_size, h)?,
         };
-        Ok(Self::assemble(client, c, weights))
+        Ok(Self::assemble(client, c, weights, Precision::default()))
     }
 
     /// The device client the model runs on.

@@ -3,7 +3,7 @@
 use cubecl::prelude::*;
 use kiln_kernels::gemm::{bf16_gemm, bf16_grouped_gemm, nvfp4_gemm, nvfp4_grouped_gemm};
 use kiln_kernels::gemm::{Bf16Weights, Nvfp4Weights};
-use kiln_kernels::{DeviceArray, KernelError};
+use kiln_kernels::{DeviceArray, KernelError, Precision};
 use kiln_reference::formats::{bf16_encode, pack_u16_words};
 use kiln_reference::model::Tensor;
 use kiln_reference::nvfp4::Nvfp4Matrix;
@@ -32,16 +32,18 @@ impl DeviceLinear {
     pub fn upload<R: Runtime>(
         client: &ComputeClient<R>,
         w: &LoadedWeight,
+        precision: Precision,
     ) -> Result<Self, LoadError> {
-        Self::upload_experts(client, std::slice::from_ref(w))
+        Self::upload_experts(client, std::slice::from_ref(w), precision)
     }
 
     /// Uploads experts of one projection, concatenated (all in the same format; dense
     /// experts mixed with NVFP4 ones are stored as bf16 after dequantizing). NVFP4 goes in
-    /// the layout the device's kernels read fastest (`Nvfp4Weights::upload`).
+    /// the layout the device's kernels read fastest at `precision` (`Nvfp4Weights::upload`).
     pub fn upload_experts<R: Runtime>(
         client: &ComputeClient<R>,
         experts: &[LoadedWeight],
+        precision: Precision,
     ) -> Result<Self, LoadError> {
         let all_nvfp4: Option<Vec<&Nvfp4Matrix>> = experts
             .iter()
@@ -55,7 +57,9 @@ impl DeviceLinear {
             let scales: Vec<u8> = mats.iter().flat_map(|m| m.scales.iter().copied()).collect();
             let globals: Vec<f32> = mats.iter().map(|m| m.global_scale).collect();
             let (n, k) = (mats[0].rows, mats[0].cols);
-            let w = Nvfp4Weights::upload(client, &packed, &scales, &globals, mats.len(), n, k)?;
+            let experts = mats.len();
+            let w =
+                Nvfp4Weights::upload(client, &packed, &scales, &globals, experts, n, k, precision)?;
             return Ok(DeviceLinear::Nvfp4(w));
         }
         let dense: Vec<Tensor> = experts.iter().map(LoadedWeight::dequantize).collect();
@@ -83,10 +87,11 @@ impl DeviceLinear {
         x: &DeviceArray<f32>,
         m: usize,
         out: &DeviceArray<f32>,
+        precision: Precision,
     ) -> Result<(), KernelError> {
         match self {
-            DeviceLinear::Bf16(w) => bf16_gemm(client, x, m, w, out),
-            DeviceLinear::Nvfp4(w) => nvfp4_gemm(client, x, m, w, out),
+            DeviceLinear::Bf16(w) => bf16_gemm(client, x, m, w, out, precision),
+            DeviceLinear::Nvfp4(w) => nvfp4_gemm(client, x, m, w, out, precision),
         }
     }
 
@@ -98,10 +103,11 @@ impl DeviceLinear {
         m: usize,
         offsets: &DeviceArray<u32>,
         out: &DeviceArray<f32>,
+        precision: Precision,
     ) -> Result<(), KernelError> {
         match self {
-            DeviceLinear::Bf16(w) => bf16_grouped_gemm(client, x, m, w, offsets, out),
-            DeviceLinear::Nvfp4(w) => nvfp4_grouped_gemm(client, x, m, w, offsets, out),
+            DeviceLinear::Bf16(w) => bf16_grouped_gemm(client, x, m, w, offsets, out, precision),
+            DeviceLinear::Nvfp4(w) => nvfp4_grouped_gemm(client, x, m, w, offsets, out, precision),
         }
     }
 }

@@ -7,6 +7,7 @@
 use cubecl::prelude::*;
 use kiln_kernels::mla::KvFormat;
 use kiln_kernels::DeviceArray;
+use kiln_kernels::Precision;
 use kiln_reference::model::ModelConfig;
 
 use super::shard::shard;
@@ -39,6 +40,7 @@ impl<R: Runtime> ShardedModel<R> {
                 Ok(GpuModel::load_from(
                     client.clone(),
                     &shard(ckpt, r, ranks)?,
+                    Precision::default(),
                 )?)
             })
             .collect::<Result<Vec<_>, TpError>>()?;
