@@ -30,6 +30,8 @@ use half::bf16;
 
 use super::fragments::scale_pair;
 use super::kernel::find_expert;
+use super::Operand;
+use crate::DeviceArray;
 
 type Frag = Vector<bf16, Const<2>>;
 type Acc = Vector<f32, Const<2>>;
@@ -110,6 +112,92 @@ pub fn gemv_kernel<F: Float>(
             scale = f32::reinterpret(global_scales[expert]) * TWO_POW_14;
         }
         reduce_and_store(&acc, out, token0, count, n, scale, cfg);
+    }
+}
+
+/// Launches the tensor-core decode GEMM (grouped when `expert_offsets` is given). Trusts
+/// validated shapes, `k % 64 == 0` and NVFP4 weights in the fragment layout.
+pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: Operand<'_>,
+    expert_offsets: Option<&DeviceArray<u32>>,
+    out: &DeviceArray<f32>,
+) {
+    let (data, scales, globals, nvfp4, experts, n, k) = match w {
+        Operand::Nvfp4(w) => (
+            &w.packed,
+            &w.scales,
+            w.global_scales.arg(),
+            true,
+            w.experts,
+            w.n,
+            w.k,
+        ),
+        Operand::Bf16(w) => (&w.data, &w.data, w.data.arg(), false, w.experts, w.n, w.k),
+    };
+    let grouped = expert_offsets.is_some();
+    let sms = client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .unwrap_or(1) as usize;
+    let row_tiles = n.div_ceil(16);
+    let groups = if grouped { 1 } else { m.div_ceil(8) };
+    // Two tiles per cube halve the activation work where N still gives >= 4 cubes per SM
+    // (and the accumulators of 2 tiles x groups fit the registers).
+    let tiles = if !grouped && groups <= 2 && row_tiles >= 8 * sms {
+        2
+    } else {
+        1
+    };
+    let cubes = row_tiles.div_ceil(tiles);
+    // The time is DRAM latency unless each SM has ~100 KB of loads in flight: ~32 warps per
+    // SM (dense layers with few row tiles split K over more warps per cube), each loading
+    // up to 4 KB of weights (all of its chunks where they fit) before decoding any. The
+    // warps' partial sums share 48 KB of shared memory (512 bytes per tile and group).
+    let chunks = k / 64;
+    let warps = if grouped {
+        4
+    } else {
+        (32 * sms)
+            .div_ceil(cubes)
+            .next_power_of_two()
+            .clamp(2, 16)
+            .min(chunks.max(1))
+            .min(96 / (tiles * groups))
+    };
+    let max_depth = if nvfp4 { 8 / tiles } else { 4 / tiles };
+    let depth = chunks.div_ceil(warps).clamp(1, max_depth);
+    let cfg = GemvConfig {
+        nvfp4,
+        tiles: tiles as u32,
+        groups: groups as u32,
+        warps: warps as u32,
+        depth: depth as u32,
+        grouped,
+    };
+    let y = if grouped { m as u32 } else { 1 };
+    let offsets = expert_offsets.unwrap_or(data);
+    // SAFETY: validated shapes; the weight words bind every slot the format does not read.
+    unsafe {
+        gemv_kernel::launch_unchecked::<F, R>(
+            client,
+            CubeCount::Static(cubes as u32, y, 1),
+            CubeDim::new_1d(32 * warps as u32),
+            a.arg(),
+            data.arg(),
+            scales.arg(),
+            globals,
+            offsets.arg(),
+            out.arg(),
+            m as u32,
+            n as u32,
+            k as u32,
+            experts as u32,
+            cfg,
+        )
     }
 }
 

@@ -29,6 +29,8 @@ mod kernel;
 mod mma;
 mod skinny;
 
+pub use skinny::{launch_skinny_bf16_unchecked, launch_skinny_nvfp4_unchecked};
+
 use cubecl::prelude::*;
 
 pub use fragments::Nvfp4Layout;
@@ -276,7 +278,7 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     match w.path(client, m, false, precision) {
-        GemmPath::Gemv => launch_gemv(client, a, m, Operand::Nvfp4(w), None, out),
+        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Nvfp4(w), None, out),
         GemmPath::Skinny => launch_skinny_nvfp4_unchecked(client, a, m, w, None, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), None, out),
         GemmPath::Portable => launch_nvfp4_unchecked(client, a, m, w, None, out),
@@ -301,7 +303,7 @@ pub fn nvfp4_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
     let offsets = Some(expert_offsets);
     match w.path(client, m, true, precision) {
-        GemmPath::Gemv => launch_gemv(client, a, m, Operand::Nvfp4(w), offsets, out),
+        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Nvfp4(w), offsets, out),
         GemmPath::Skinny => launch_skinny_nvfp4_unchecked(client, a, m, w, offsets, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), offsets, out),
         GemmPath::Portable => launch_nvfp4_unchecked(client, a, m, w, offsets, out),
@@ -329,7 +331,7 @@ pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     match w.path(client, m, false, precision) {
-        GemmPath::Gemv => launch_gemv(client, a, m, Operand::Bf16(w), None, out),
+        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Bf16(w), None, out),
         GemmPath::Skinny => launch_skinny_bf16_unchecked(client, a, m, w, None, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), None, out),
         GemmPath::Portable => launch_bf16_unchecked(client, a, m, w, None, out),
@@ -352,7 +354,7 @@ pub fn bf16_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
     let offsets = Some(expert_offsets);
     match w.path(client, m, true, precision) {
-        GemmPath::Gemv => launch_gemv(client, a, m, Operand::Bf16(w), offsets, out),
+        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Bf16(w), offsets, out),
         GemmPath::Skinny => launch_skinny_bf16_unchecked(client, a, m, w, offsets, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), offsets, out),
         GemmPath::Portable => launch_bf16_unchecked(client, a, m, w, offsets, out),
@@ -522,8 +524,8 @@ fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, k: usize) -> bool {
     k % mma::BK as usize == 0 && crate::tensor_cores::has_bf16_mma(client)
 }
 
-/// The weight operand of [`launch_mma`] and [`launch_gemv`].
-enum Operand<'a> {
+/// The weight operand of [`launch_mma`] and `gemv::launch`.
+pub(super) enum Operand<'a> {
     Nvfp4(&'a Nvfp4Weights),
     Bf16(&'a Bf16Weights),
 }
@@ -625,92 +627,6 @@ fn launch_mma<R: Runtime, F: Float + CubeElement>(
     }
 }
 
-/// Launches the tensor-core decode GEMM (grouped when `expert_offsets` is given). Trusts
-/// validated shapes, `k % 64 == 0` and NVFP4 weights in the fragment layout.
-fn launch_gemv<R: Runtime, F: Float + CubeElement>(
-    client: &ComputeClient<R>,
-    a: &DeviceArray<F>,
-    m: usize,
-    w: Operand<'_>,
-    expert_offsets: Option<&DeviceArray<u32>>,
-    out: &DeviceArray<f32>,
-) {
-    let (data, scales, globals, nvfp4, experts, n, k) = match w {
-        Operand::Nvfp4(w) => (
-            &w.packed,
-            &w.scales,
-            w.global_scales.arg(),
-            true,
-            w.experts,
-            w.n,
-            w.k,
-        ),
-        Operand::Bf16(w) => (&w.data, &w.data, w.data.arg(), false, w.experts, w.n, w.k),
-    };
-    let grouped = expert_offsets.is_some();
-    let sms = client
-        .properties()
-        .hardware
-        .num_streaming_multiprocessors
-        .unwrap_or(1) as usize;
-    let row_tiles = n.div_ceil(16);
-    let groups = if grouped { 1 } else { m.div_ceil(8) };
-    // Two tiles per cube halve the activation work where N still gives >= 4 cubes per SM
-    // (and the accumulators of 2 tiles x groups fit the registers).
-    let tiles = if !grouped && groups <= 2 && row_tiles >= 8 * sms {
-        2
-    } else {
-        1
-    };
-    let cubes = row_tiles.div_ceil(tiles);
-    // The time is DRAM latency unless each SM has ~100 KB of loads in flight: ~32 warps per
-    // SM (dense layers with few row tiles split K over more warps per cube), each loading
-    // up to 4 KB of weights (all of its chunks where they fit) before decoding any. The
-    // warps' partial sums share 48 KB of shared memory (512 bytes per tile and group).
-    let chunks = k / 64;
-    let warps = if grouped {
-        4
-    } else {
-        (32 * sms)
-            .div_ceil(cubes)
-            .next_power_of_two()
-            .clamp(2, 16)
-            .min(chunks.max(1))
-            .min(96 / (tiles * groups))
-    };
-    let max_depth = if nvfp4 { 8 / tiles } else { 4 / tiles };
-    let depth = chunks.div_ceil(warps).clamp(1, max_depth);
-    let cfg = gemv::GemvConfig {
-        nvfp4,
-        tiles: tiles as u32,
-        groups: groups as u32,
-        warps: warps as u32,
-        depth: depth as u32,
-        grouped,
-    };
-    let y = if grouped { m as u32 } else { 1 };
-    let offsets = expert_offsets.unwrap_or(data);
-    // SAFETY: validated shapes; the weight words bind every slot the format does not read.
-    unsafe {
-        gemv::gemv_kernel::launch_unchecked::<F, R>(
-            client,
-            CubeCount::Static(cubes as u32, y, 1),
-            CubeDim::new_1d(32 * warps as u32),
-            a.arg(),
-            data.arg(),
-            scales.arg(),
-            globals,
-            offsets.arg(),
-            out.arg(),
-            m as u32,
-            n as u32,
-            k as u32,
-            experts as u32,
-            cfg,
-        )
-    }
-}
-
 /// True when a dense GEMM of this shape takes the decode (skinny) kernel: `M <= 16` and rows
 /// of whole 16-byte weight vectors (32 NVFP4 codes, 8 bf16 values).
 pub fn takes_skinny(m: usize, k: usize, format: WeightFormat) -> bool {
@@ -725,132 +641,4 @@ pub fn takes_skinny(m: usize, k: usize, format: WeightFormat) -> bool {
 /// up to 128 tokens x top-8), rows of whole 16-byte weight vectors, and N in one grid row.
 pub fn takes_grouped_skinny(m: usize, k: usize, n: usize, format: WeightFormat) -> bool {
     m <= GROUPED_SKINNY_MAX_M && takes_skinny(1, k, format) && n <= 65_535
-}
-
-/// The skinny kernel's compile-time shape for `m` tokens and rows of `k` elements.
-fn skinny_config<R: Runtime>(
-    client: &ComputeClient<R>,
-    m: usize,
-    k: usize,
-    format: WeightFormat,
-    grouped: bool,
-) -> skinny::SkinnyConfig {
-    let props = client.properties();
-    let hw = &props.hardware;
-    let plane = props
-        .features
-        .plane
-        .contains(cubecl::ir::features::Plane::Ops)
-        && hw.plane_size_min == 32
-        && hw.plane_size_max == 32;
-    // Grouped: a cube per run of `tokens` rows of one expert; decode routes most experts
-    // one row, so runs of 1 until the batch makes repeats common.
-    let tokens = match (grouped, m) {
-        (false, _) => m.next_power_of_two() as u32,
-        (true, ..=64) => 1,
-        (true, _) => 4,
-    };
-    let vectors_per_row = match format {
-        WeightFormat::Nvfp4 => k / 32,
-        WeightFormat::Bf16 => k / 8,
-    };
-    skinny::SkinnyConfig {
-        tokens,
-        // Registers: tokens * rows partial and running sums per unit.
-        rows: if tokens <= 4 { 4 } else { 2 },
-        units: 32 * vectors_per_row.div_ceil(32).clamp(1, 4) as u32,
-        format,
-        plane,
-        // NVRTC (no -ftz) keeps f32 subnormals; llvmpipe flushes them.
-        subnormal_decode: R::name(client) == "cuda",
-        grouped,
-    }
-}
-
-/// The grid of the skinny kernel: one cube per `rows` output rows, folded into two
-/// dimensions past 65,535 cubes.
-fn skinny_cubes(n: usize, rows: u32) -> CubeCount {
-    let cubes = (n as u32).div_ceil(rows);
-    let x = cubes.min(65_535);
-    CubeCount::Static(x, cubes.div_ceil(x), 1)
-}
-
-/// Launches the decode (skinny) NVFP4 GEMM without validation: trusts a dense `w`
-/// (`experts == 1`), `1 <= m <= 16`, `k % 32 == 0` and buffers matching the shapes.
-pub fn launch_skinny_nvfp4_unchecked<R: Runtime, F: Float + CubeElement>(
-    client: &ComputeClient<R>,
-    a: &DeviceArray<F>,
-    m: usize,
-    w: &Nvfp4Weights,
-    expert_offsets: Option<&DeviceArray<u32>>,
-    out: &DeviceArray<f32>,
-) {
-    let cfg = skinny_config(
-        client,
-        m,
-        w.k,
-        WeightFormat::Nvfp4,
-        expert_offsets.is_some(),
-    );
-    let cubes = match expert_offsets {
-        Some(_) => CubeCount::Static((w.n as u32).div_ceil(cfg.rows), m as u32, 1),
-        None => skinny_cubes(w.n, cfg.rows),
-    };
-    let offsets = expert_offsets.unwrap_or(&w.packed);
-    // SAFETY: the caller guarantees the shapes; rows of k / 8 words hold whole vectors of 4.
-    unsafe {
-        skinny::skinny_kernel::launch_unchecked::<F, R>(
-            client,
-            cubes,
-            CubeDim::new_1d(cfg.units),
-            a.arg(),
-            w.packed.arg(),
-            w.scales.arg(),
-            w.global_scales.arg(),
-            offsets.arg(),
-            out.arg(),
-            m as u32,
-            w.n as u32,
-            w.k as u32,
-            w.experts as u32,
-            cfg,
-        )
-    }
-}
-
-/// Launches the decode (skinny) bf16-weight GEMM without validation: trusts a dense `w`,
-/// `1 <= m <= 16`, `k % 8 == 0` and buffers matching the shapes.
-pub fn launch_skinny_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
-    client: &ComputeClient<R>,
-    a: &DeviceArray<F>,
-    m: usize,
-    w: &Bf16Weights,
-    expert_offsets: Option<&DeviceArray<u32>>,
-    out: &DeviceArray<f32>,
-) {
-    let cfg = skinny_config(client, m, w.k, WeightFormat::Bf16, expert_offsets.is_some());
-    let cubes = match expert_offsets {
-        Some(_) => CubeCount::Static((w.n as u32).div_ceil(cfg.rows), m as u32, 1),
-        None => skinny_cubes(w.n, cfg.rows),
-    };
-    let offsets = expert_offsets.unwrap_or(&w.data);
-    // SAFETY: as above; the scale slots are bound to the weights and never read.
-    unsafe {
-        skinny::skinny_kernel::launch_unchecked::<F, R>(
-            client,
-            cubes,
-            CubeDim::new_1d(cfg.units),
-            a.arg(),
-            w.data.arg(),
-            w.data.arg(),
-            w.data.arg(),
-            offsets.arg(),
-            out.arg(),
-            m as u32,
-            w.n as u32,
-            w.k as u32,
-            w.experts as u32,
-            cfg,
-        )
-    }
 }

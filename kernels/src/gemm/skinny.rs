@@ -24,8 +24,9 @@
 use cubecl::prelude::*;
 
 use super::kernel::find_expert;
-use super::WeightFormat;
+use super::{Bf16Weights, Nvfp4Weights, WeightFormat};
 use crate::formats::{e2m1_to_f32, e4m3_to_f32};
+use crate::DeviceArray;
 
 /// Compile-time shape of the skinny kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -367,5 +368,133 @@ fn reduce_and_store(
         if t < count as usize && row < n as usize {
             out[(token0 + t) * n as usize + row] = sum * global;
         }
+    }
+}
+
+/// The skinny kernel's compile-time shape for `m` tokens and rows of `k` elements.
+fn skinny_config<R: Runtime>(
+    client: &ComputeClient<R>,
+    m: usize,
+    k: usize,
+    format: WeightFormat,
+    grouped: bool,
+) -> SkinnyConfig {
+    let props = client.properties();
+    let hw = &props.hardware;
+    let plane = props
+        .features
+        .plane
+        .contains(cubecl::ir::features::Plane::Ops)
+        && hw.plane_size_min == 32
+        && hw.plane_size_max == 32;
+    // Grouped: a cube per run of `tokens` rows of one expert; decode routes most experts
+    // one row, so runs of 1 until the batch makes repeats common.
+    let tokens = match (grouped, m) {
+        (false, _) => m.next_power_of_two() as u32,
+        (true, ..=64) => 1,
+        (true, _) => 4,
+    };
+    let vectors_per_row = match format {
+        WeightFormat::Nvfp4 => k / 32,
+        WeightFormat::Bf16 => k / 8,
+    };
+    SkinnyConfig {
+        tokens,
+        // Registers: tokens * rows partial and running sums per unit.
+        rows: if tokens <= 4 { 4 } else { 2 },
+        units: 32 * vectors_per_row.div_ceil(32).clamp(1, 4) as u32,
+        format,
+        plane,
+        // NVRTC (no -ftz) keeps f32 subnormals; llvmpipe flushes them.
+        subnormal_decode: R::name(client) == "cuda",
+        grouped,
+    }
+}
+
+/// The grid of the skinny kernel: one cube per `rows` output rows, folded into two
+/// dimensions past 65,535 cubes.
+fn skinny_cubes(n: usize, rows: u32) -> CubeCount {
+    let cubes = (n as u32).div_ceil(rows);
+    let x = cubes.min(65_535);
+    CubeCount::Static(x, cubes.div_ceil(x), 1)
+}
+
+/// Launches the decode (skinny) NVFP4 GEMM without validation: trusts a dense `w`
+/// (`experts == 1`), `1 <= m <= 16`, `k % 32 == 0` and buffers matching the shapes.
+pub fn launch_skinny_nvfp4_unchecked<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: &Nvfp4Weights,
+    expert_offsets: Option<&DeviceArray<u32>>,
+    out: &DeviceArray<f32>,
+) {
+    let cfg = skinny_config(
+        client,
+        m,
+        w.k,
+        WeightFormat::Nvfp4,
+        expert_offsets.is_some(),
+    );
+    let cubes = match expert_offsets {
+        Some(_) => CubeCount::Static((w.n as u32).div_ceil(cfg.rows), m as u32, 1),
+        None => skinny_cubes(w.n, cfg.rows),
+    };
+    let offsets = expert_offsets.unwrap_or(&w.packed);
+    // SAFETY: the caller guarantees the shapes; rows of k / 8 words hold whole vectors of 4.
+    unsafe {
+        skinny_kernel::launch_unchecked::<F, R>(
+            client,
+            cubes,
+            CubeDim::new_1d(cfg.units),
+            a.arg(),
+            w.packed.arg(),
+            w.scales.arg(),
+            w.global_scales.arg(),
+            offsets.arg(),
+            out.arg(),
+            m as u32,
+            w.n as u32,
+            w.k as u32,
+            w.experts as u32,
+            cfg,
+        )
+    }
+}
+
+/// Launches the decode (skinny) bf16-weight GEMM without validation: trusts a dense `w`,
+/// `1 <= m <= 16`, `k % 8 == 0` and buffers matching the shapes.
+pub fn launch_skinny_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    w: &Bf16Weights,
+    expert_offsets: Option<&DeviceArray<u32>>,
+    out: &DeviceArray<f32>,
+) {
+    let cfg = skinny_config(client, m, w.k, WeightFormat::Bf16, expert_offsets.is_some());
+    let cubes = match expert_offsets {
+        Some(_) => CubeCount::Static((w.n as u32).div_ceil(cfg.rows), m as u32, 1),
+        None => skinny_cubes(w.n, cfg.rows),
+    };
+    let offsets = expert_offsets.unwrap_or(&w.data);
+    // SAFETY: as above; the scale slots are bound to the weights and never read.
+    unsafe {
+        skinny_kernel::launch_unchecked::<F, R>(
+            client,
+            cubes,
+            CubeDim::new_1d(cfg.units),
+            a.arg(),
+            w.data.arg(),
+            w.data.arg(),
+            w.data.arg(),
+            offsets.arg(),
+            out.arg(),
+            m as u32,
+            w.n as u32,
+            w.k as u32,
+            w.experts as u32,
+            cfg,
+        )
     }
 }

@@ -152,15 +152,7 @@ fn tiled_weight_shapes<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
         any::<u64>(),
     )
         .prop_map(|(m, tiles, chunks, bf16, seed)| {
-            let case = GemmCase::dense(m, 16 * tiles, 64 * chunks, seed);
-            if bf16 {
-                GemmCase {
-                    format: WeightFormat::Bf16,
-                    ..case
-                }
-            } else {
-                case
-            }
+            with_bf16_weights(GemmCase::dense(m, 16 * tiles, 64 * chunks, seed), bf16)
         });
     run_cases::<R, F>(client, dense);
     let grouped = (
@@ -174,17 +166,19 @@ fn tiled_weight_shapes<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
             rows.iter().sum::<usize>() > 0
         })
         .prop_map(|(rows, tiles, chunks, bf16, seed)| {
-            let case = GemmCase::grouped(rows, 16 * tiles, 64 * chunks, seed);
-            if bf16 {
-                GemmCase {
-                    format: WeightFormat::Bf16,
-                    ..case
-                }
-            } else {
-                case
-            }
+            with_bf16_weights(GemmCase::grouped(rows, 16 * tiles, 64 * chunks, seed), bf16)
         });
     run_cases::<R, F>(client, grouped);
+}
+
+/// `case` with bf16 weights instead of NVFP4 when `bf16`.
+fn with_bf16_weights(case: GemmCase, bf16: bool) -> GemmCase {
+    let format = if bf16 {
+        WeightFormat::Bf16
+    } else {
+        case.format
+    };
+    GemmCase { format, ..case }
 }
 
 /// On a device with tensor cores, tiling NVFP4 weights are uploaded as fragments and decode
