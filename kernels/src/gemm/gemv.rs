@@ -30,7 +30,7 @@ use half::bf16;
 
 use super::fragments::scale_pair;
 use super::kernel::find_expert;
-use super::Operand;
+use super::{Operand, OperandBuffers, WeightFormat};
 use crate::DeviceArray;
 
 type Frag = Vector<bf16, Const<2>>;
@@ -125,18 +125,16 @@ pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
     expert_offsets: Option<&DeviceArray<u32>>,
     out: &DeviceArray<f32>,
 ) {
-    let (data, scales, globals, nvfp4, experts, n, k) = match w {
-        Operand::Nvfp4(w) => (
-            &w.packed,
-            &w.scales,
-            w.global_scales.arg(),
-            true,
-            w.experts,
-            w.n,
-            w.k,
-        ),
-        Operand::Bf16(w) => (&w.data, &w.data, w.data.arg(), false, w.experts, w.n, w.k),
-    };
+    let OperandBuffers {
+        data,
+        scales,
+        globals,
+        format,
+        experts,
+        n,
+        k,
+    } = w.buffers();
+    let nvfp4 = format == WeightFormat::Nvfp4;
     let grouped = expert_offsets.is_some();
     let sms = client
         .properties()

@@ -29,8 +29,6 @@ mod kernel;
 mod mma;
 mod skinny;
 
-pub use skinny::{launch_skinny_bf16_unchecked, launch_skinny_nvfp4_unchecked};
-
 use cubecl::prelude::*;
 
 pub use fragments::Nvfp4Layout;
@@ -279,7 +277,7 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
     validate(client, a, m, w.n, w.k, out)?;
     match w.path(client, m, false, precision) {
         GemmPath::Gemv => gemv::launch(client, a, m, Operand::Nvfp4(w), None, out),
-        GemmPath::Skinny => launch_skinny_nvfp4_unchecked(client, a, m, w, None, out),
+        GemmPath::Skinny => skinny::launch(client, a, m, Operand::Nvfp4(w), None, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), None, out),
         GemmPath::Portable => launch_nvfp4_unchecked(client, a, m, w, None, out),
     }
@@ -304,7 +302,7 @@ pub fn nvfp4_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     let offsets = Some(expert_offsets);
     match w.path(client, m, true, precision) {
         GemmPath::Gemv => gemv::launch(client, a, m, Operand::Nvfp4(w), offsets, out),
-        GemmPath::Skinny => launch_skinny_nvfp4_unchecked(client, a, m, w, offsets, out),
+        GemmPath::Skinny => skinny::launch(client, a, m, Operand::Nvfp4(w), offsets, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), offsets, out),
         GemmPath::Portable => launch_nvfp4_unchecked(client, a, m, w, offsets, out),
     }
@@ -332,7 +330,7 @@ pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
     validate(client, a, m, w.n, w.k, out)?;
     match w.path(client, m, false, precision) {
         GemmPath::Gemv => gemv::launch(client, a, m, Operand::Bf16(w), None, out),
-        GemmPath::Skinny => launch_skinny_bf16_unchecked(client, a, m, w, None, out),
+        GemmPath::Skinny => skinny::launch(client, a, m, Operand::Bf16(w), None, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), None, out),
         GemmPath::Portable => launch_bf16_unchecked(client, a, m, w, None, out),
     }
@@ -355,7 +353,7 @@ pub fn bf16_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     let offsets = Some(expert_offsets);
     match w.path(client, m, true, precision) {
         GemmPath::Gemv => gemv::launch(client, a, m, Operand::Bf16(w), offsets, out),
-        GemmPath::Skinny => launch_skinny_bf16_unchecked(client, a, m, w, offsets, out),
+        GemmPath::Skinny => skinny::launch(client, a, m, Operand::Bf16(w), offsets, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), offsets, out),
         GemmPath::Portable => launch_bf16_unchecked(client, a, m, w, offsets, out),
     }
@@ -524,10 +522,48 @@ fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, k: usize) -> bool {
     k % mma::BK as usize == 0 && crate::tensor_cores::has_bf16_mma(client)
 }
 
-/// The weight operand of [`launch_mma`] and `gemv::launch`.
+/// The weight operand of the tiled, GEMV and skinny launches.
 pub(super) enum Operand<'a> {
     Nvfp4(&'a Nvfp4Weights),
     Bf16(&'a Bf16Weights),
+}
+
+/// An operand's buffers and shape as the kernels bind them: bf16 weights bind their words to
+/// the scale slots, which their kernels never read.
+pub(super) struct OperandBuffers<'a, R: Runtime> {
+    pub data: &'a DeviceArray<u32>,
+    pub scales: &'a DeviceArray<u32>,
+    /// The f32 global scales, read through their bits.
+    pub globals: ArrayArg<R>,
+    pub format: WeightFormat,
+    pub experts: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl<'a> Operand<'a> {
+    pub(super) fn buffers<R: Runtime>(&self) -> OperandBuffers<'a, R> {
+        match *self {
+            Operand::Nvfp4(w) => OperandBuffers {
+                data: &w.packed,
+                scales: &w.scales,
+                globals: w.global_scales.arg(),
+                format: WeightFormat::Nvfp4,
+                experts: w.experts,
+                n: w.n,
+                k: w.k,
+            },
+            Operand::Bf16(w) => OperandBuffers {
+                data: &w.data,
+                scales: &w.data,
+                globals: w.data.arg(),
+                format: WeightFormat::Bf16,
+                experts: w.experts,
+                n: w.n,
+                k: w.k,
+            },
+        }
+    }
 }
 
 /// Launches the tensor-core GEMM (grouped when `expert_offsets` is given). Trusts
@@ -541,29 +577,15 @@ fn launch_mma<R: Runtime, F: Float + CubeElement>(
     out: &DeviceArray<f32>,
 ) {
     let fragments = matches!(w, Operand::Nvfp4(w) if w.layout == Nvfp4Layout::Fragments);
-    let (data, scales, globals, format, experts, n, k) = match w {
-        Operand::Nvfp4(w) => {
-            let globals = w.global_scales.arg();
-            (
-                &w.packed,
-                &w.scales,
-                globals,
-                WeightFormat::Nvfp4,
-                w.experts,
-                w.n,
-                w.k,
-            )
-        }
-        Operand::Bf16(w) => (
-            &w.data,
-            &w.data,
-            w.data.arg(),
-            WeightFormat::Bf16,
-            w.experts,
-            w.n,
-            w.k,
-        ),
-    };
+    let OperandBuffers {
+        data,
+        scales,
+        globals,
+        format,
+        experts,
+        n,
+        k,
+    } = w.buffers();
     let m_tiles = (m as u32).div_ceil(mma::BM)
         + if expert_offsets.is_some() {
             experts as u32

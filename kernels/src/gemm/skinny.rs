@@ -24,7 +24,7 @@
 use cubecl::prelude::*;
 
 use super::kernel::find_expert;
-use super::{Bf16Weights, Nvfp4Weights, WeightFormat};
+use super::{Operand, OperandBuffers, WeightFormat};
 use crate::formats::{e2m1_to_f32, e4m3_to_f32};
 use crate::DeviceArray;
 
@@ -419,81 +419,49 @@ fn skinny_cubes(n: usize, rows: u32) -> CubeCount {
     CubeCount::Static(x, cubes.div_ceil(x), 1)
 }
 
-/// Launches the decode (skinny) NVFP4 GEMM without validation: trusts a dense `w`
-/// (`experts == 1`), `1 <= m <= 16`, `k % 32 == 0` and buffers matching the shapes.
-pub fn launch_skinny_nvfp4_unchecked<R: Runtime, F: Float + CubeElement>(
+/// Launches the decode (skinny) GEMM without validation (grouped when `expert_offsets` is
+/// given): trusts `1 <= m <= 16` (dense), rows of whole 16-byte vectors (`k % 32 == 0` for
+/// NVFP4, `k % 8 == 0` for bf16), row-major weights and buffers matching the shapes.
+pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     a: &DeviceArray<F>,
     m: usize,
-    w: &Nvfp4Weights,
+    w: Operand<'_>,
     expert_offsets: Option<&DeviceArray<u32>>,
     out: &DeviceArray<f32>,
 ) {
-    let cfg = skinny_config(
-        client,
-        m,
-        w.k,
-        WeightFormat::Nvfp4,
-        expert_offsets.is_some(),
-    );
+    let OperandBuffers {
+        data,
+        scales,
+        globals,
+        format,
+        experts,
+        n,
+        k,
+    } = w.buffers();
+    let cfg = skinny_config(client, m, k, format, expert_offsets.is_some());
     let cubes = match expert_offsets {
-        Some(_) => CubeCount::Static((w.n as u32).div_ceil(cfg.rows), m as u32, 1),
-        None => skinny_cubes(w.n, cfg.rows),
+        Some(_) => CubeCount::Static((n as u32).div_ceil(cfg.rows), m as u32, 1),
+        None => skinny_cubes(n, cfg.rows),
     };
-    let offsets = expert_offsets.unwrap_or(&w.packed);
-    // SAFETY: the caller guarantees the shapes; rows of k / 8 words hold whole vectors of 4.
+    // A dense launch never reads the offsets slot; the weight words bind it.
+    let offsets = expert_offsets.unwrap_or(data);
+    // SAFETY: the caller guarantees the shapes; rows hold whole vectors of 4 words.
     unsafe {
         skinny_kernel::launch_unchecked::<F, R>(
             client,
             cubes,
             CubeDim::new_1d(cfg.units),
             a.arg(),
-            w.packed.arg(),
-            w.scales.arg(),
-            w.global_scales.arg(),
+            data.arg(),
+            scales.arg(),
+            globals,
             offsets.arg(),
             out.arg(),
             m as u32,
-            w.n as u32,
-            w.k as u32,
-            w.experts as u32,
-            cfg,
-        )
-    }
-}
-
-/// Launches the decode (skinny) bf16-weight GEMM without validation: trusts a dense `w`,
-/// `1 <= m <= 16`, `k % 8 == 0` and buffers matching the shapes.
-pub fn launch_skinny_bf16_unchecked<R: Runtime, F: Float + CubeElement>(
-    client: &ComputeClient<R>,
-    a: &DeviceArray<F>,
-    m: usize,
-    w: &Bf16Weights,
-    expert_offsets: Option<&DeviceArray<u32>>,
-    out: &DeviceArray<f32>,
-) {
-    let cfg = skinny_config(client, m, w.k, WeightFormat::Bf16, expert_offsets.is_some());
-    let cubes = match expert_offsets {
-        Some(_) => CubeCount::Static((w.n as u32).div_ceil(cfg.rows), m as u32, 1),
-        None => skinny_cubes(w.n, cfg.rows),
-    };
-    let offsets = expert_offsets.unwrap_or(&w.data);
-    // SAFETY: as above; the scale slots are bound to the weights and never read.
-    unsafe {
-        skinny_kernel::launch_unchecked::<F, R>(
-            client,
-            cubes,
-            CubeDim::new_1d(cfg.units),
-            a.arg(),
-            w.data.arg(),
-            w.data.arg(),
-            w.data.arg(),
-            offsets.arg(),
-            out.arg(),
-            m as u32,
-            w.n as u32,
-            w.k as u32,
-            w.experts as u32,
+            n as u32,
+            k as u32,
+            experts as u32,
             cfg,
         )
     }
