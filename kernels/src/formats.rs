@@ -50,15 +50,3 @@ pub fn half_at(words: &Array<u32>, index: usize) -> u32 {
     (words[index / 2] >> (((index % 2) * 16) as u32)) & 0xffff
 }
 
-/// An E4M3 code as f32 by bit placement: the code's exponent and mantissa bits moved to
-/// f32's (`(c & 0x7f) << 20`, sign to bit 31) read `e4m3(c) * 2^-120` exactly, normal codes
-/// as normal f32 and subnormal codes as f32 subnormals; the exact multiply by `2^120`
-/// restores the value. CUDA only: NVRTC builds without flush-to-zero, llvmpipe flushes f32
-/// subnormals. NaN codes (0x7f, 0xff) are not decoded as NaN; callers exclude them.
-#[cube]
-pub fn e4m3_bits_to_f32(code: u32) -> f32 {
-    f32::reinterpret(((code & 0x7f) << 20) | ((code & 0x80) << 24)) * TWO_POW_120
-}
-
-/// `2^120`.
-const TWO_POW_120: f32 = 1.329_228e36;

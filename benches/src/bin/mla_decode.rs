@@ -331,8 +331,11 @@ mod decode {
             (64, 32768),
             (64, 49152),
         ];
-        // `mla_decode OUT.json fp8` runs the fp8 decode points alone.
-        let only_fp8 = std::env::args().nth(2).as_deref() == Some("fp8");
+        // `mla_decode OUT.json fp8` runs the fp8 decode points alone, `... decode` the decode
+        // points of both formats.
+        let mode = std::env::args().nth(2).unwrap_or_default();
+        let only_fp8 = mode == "fp8";
+        let decode_only = only_fp8 || mode == "decode";
         let formats: &[KvFormat] = if only_fp8 {
             &[KvFormat::Fp8]
         } else {
@@ -351,7 +354,7 @@ mod decode {
             }
         }
         // Draft verification: several query tokens per request.
-        for heads in if only_fp8 { vec![] } else { vec![16, 64] } {
+        for heads in if decode_only { vec![] } else { vec![16, 64] } {
             for q_len in [8, 16, 32, 64] {
                 let p = point(
                     &client,
@@ -368,7 +371,7 @@ mod decode {
             }
         }
         // Prefill / extend: 8k new tokens with and without a cached prefix.
-        for (q_len, ctx) in if only_fp8 {
+        for (q_len, ctx) in if decode_only {
             vec![]
         } else {
             vec![(8192, 8192), (8192, 32768)]

@@ -10,9 +10,11 @@
 //!
 //! Per chunk of [`CHUNK`] KV positions (4 warps, 128 units):
 //! 1. the chunk's rows arrive in shared memory by cp.async, issued one chunk ahead (fp8
-//!    rows into staging buffers, decoded to bf16 once they land);
-//! 2. each warp computes the 16 x 32 scores over its quarter of the 576 dimensions, its
-//!    query fragments held in registers for the whole kernel, and stores them;
+//!    rows into a staging buffer, decoded at the end of the previous chunk into the other
+//!    of two bf16 operand buffers, so fp8 costs no extra barrier);
+//! 2. each warp computes the 16 x 32 scores over its quarter of the 576 dimensions (128
+//!    of the latent, one fp8 scale group, and 16 of the rope part), its query fragments
+//!    held in registers for the whole kernel, and stores them;
 //! 3. 8 units per row sum the quarters, mask causally, and run the online softmax
 //!    (running max and sum per row, `plane_shuffle_xor` within the 8 units), writing the
 //!    weights as bf16 and each row's rescale factor;
@@ -22,16 +24,21 @@
 //! With one split the cube writes the normalised output; with several it writes its
 //! unnormalised sums and its rows' (max, sum), and [`combine_kernel`] merges the splits.
 //!
-//! Rounding: queries, softmax weights and (fp8) dequantised values are rounded to bf16 for
-//! the tensor cores; bf16 KV values are exact. `tolerance::attention_allowed` takes the
-//! operand type and bounds what that adds.
+//! fp8 (E4M3) codes are exact in bf16: the decode only moves bits (`code * 2^-120`, then one
+//! bf16x2 multiply by `2^120`), storing each group of 4 latent dimensions in the order
+//! (0, 2, 1, 3), which the queries' fragments and the output columns follow. The per-row,
+//! per-128-dimension scales multiply the f32 latent scores and, per warp (a warp's 128
+//! output dimensions are one scale group), the softmax weights before they are rounded.
+//!
+//! Rounding: queries and softmax weights are rounded to bf16 for the tensor cores; bf16 KV
+//! values and fp8 codes are exact. `tolerance::attention_allowed` takes the operand type
+//! and bounds what that adds.
 use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 use half::bf16;
 
 use super::kernel::kv_row;
 use super::KvFormat;
-use crate::formats::e4m3_bits_to_f32;
 
 /// Query rows per cube (the MMA's M).
 pub const ROWS: u32 = 16;
@@ -54,8 +61,13 @@ const KV_STRIDE: usize = 73;
 const P_STRIDE: usize = 40;
 /// Shared-memory stride of a score row, in f32.
 const S_STRIDE: usize = 33;
-/// Score k-steps (16 dimensions each) per warp: 576 / 16 / 4.
+/// Score k-steps (16 dimensions each) per warp: 8 of the latent, 1 of the rope part.
 const K_STEPS: usize = 9;
+/// Shared-memory stride of an f32 weight row (fp8): even, so the 8-byte reads of a
+/// fragment's pairs are free of bank conflicts.
+const PF_STRIDE: usize = 40;
+/// `2^120` in both halves of a bf16x2 register.
+const TWO_POW_120_BF16X2: u32 = 0x7b80_7b80;
 /// Output n-tiles (8 dimensions each) per warp: 512 / 8 / 4.
 const N_TILES: usize = 16;
 /// Stands for minus infinity.
@@ -117,38 +129,51 @@ pub fn mma_attention_kernel(
         let table = b * max_blocks as usize;
 
         let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
-        let mut kvs = SharedMemory::<Vector<bf16, Const<8>>>::new_aligned(
-            comptime!(if cfg.format == KvFormat::Fp8 { 1 } else { 2 }) * 32 * KV_STRIDE,
-            16usize,
-        );
+        let fp8 = comptime!(cfg.format == KvFormat::Fp8);
+        let mut kvs =
+            SharedMemory::<Vector<bf16, Const<8>>>::new_aligned(2 * 32 * KV_STRIDE, 16usize);
         let mut staging = SharedMemory::<Vector<u32, Const<4>>>::new_aligned(
-            comptime!(if cfg.format == KvFormat::Fp8 {
-                2 * 32 * FP8_ROW_VECS
-            } else {
-                1
-            }),
+            comptime!(if fp8 { 32 * FP8_ROW_VECS } else { 1 }),
             16usize,
         );
+        // fp8: each operand buffer's scales, `[buf][position][group]`.
+        let mut scale_s = SharedMemory::<f32>::new(comptime!(if fp8 { 2 * 32 * 4usize } else { 1 }));
         let mut ss = SharedMemory::<f32>::new(4 * 16 * S_STRIDE);
-        let mut ps = SharedMemory::<bf16>::new_aligned(16 * P_STRIDE, 16usize);
+        // The softmax weights: bf16 for `ldmatrix` (bf16 KV), f32 to be scaled per warp (fp8).
+        let mut ps = SharedMemory::<bf16>::new_aligned(
+            comptime!(if fp8 { 8 } else { 16 * P_STRIDE }),
+            16usize,
+        );
+        let mut pf = SharedMemory::<f32>::new(comptime!(if fp8 { 16 * PF_STRIDE } else { 1 }));
         let mut alpha_s = SharedMemory::<f32>::new(16usize);
 
         // This warp's query fragments (A, 16 rows x 16 dims per k-step), from global memory.
         let mut qa = Array::<Frag>::new(comptime!(K_STEPS * 4));
         #[unroll]
         for j in 0usize..K_STEPS {
-            let k0 = (warp * K_STEPS + j) * 16;
+            let mut k0 = 512usize + warp * 16;
+            if comptime!(j < 8) {
+                k0 = warp * 128 + j * 16;
+            }
             #[unroll]
             for r in 0..4usize {
                 let row = g + (r % 2) * 8;
-                let col = k0 + 2 * t + (r / 2) * 8;
+                // Fragment columns 2t, 2t + 1 (+ 8): dimensions k0 + 8h + 2t + (0, 1), or
+                // for fp8's latent, stored as (0, 2, 1, 3) per 4, k0 + 8h + 4(t / 2) + t % 2
+                // + (0, 2).
+                let mut col = k0 + (r / 2) * 8 + 2 * t;
+                let mut next = 1usize;
+                if comptime!(fp8 && j < 8) {
+                    col = k0 + (r / 2) * 8 + 4 * (t / 2) + t % 2;
+                    next = 2usize;
+                }
                 let mut v = Frag::empty();
                 v[0] = bf16::cast_from(0.0f32);
                 v[1] = bf16::cast_from(0.0f32);
                 if row < rows_here {
                     let base = (first_row + row) * 576 + col;
                     v[0] = bf16::cast_from(q[base]);
-                    v[1] = bf16::cast_from(q[base + 1]);
+                    v[1] = bf16::cast_from(q[base + next]);
                 }
                 qa[j * 4 + r] = v;
             }
@@ -167,10 +192,9 @@ pub fn mma_attention_kernel(
         let mut m_run = f32::new(NEG_BIG);
         let mut l_run = 0.0f32;
 
-        // Rows are copied with cp.async into two buffers, so the next chunk is in flight
-        // while this one is computed: bf16 rows straight into the operand buffers, fp8 rows
-        // into staging buffers that are decoded to one bf16 operand buffer per chunk.
-        let fp8 = comptime!(cfg.format == KvFormat::Fp8);
+        // Rows are copied with cp.async one chunk ahead: bf16 rows straight into two operand
+        // buffers; fp8 rows into one staging buffer, decoded into the other operand buffer
+        // at the end of the chunk before, then the next copy starts.
         let bar_a = Barrier::shared(UNITS, unit == 0);
         let bar_b = Barrier::shared(UNITS, unit == 0);
         if c_begin < c_end {
@@ -189,55 +213,82 @@ pub fn mma_attention_kernel(
                 cfg.format,
             );
             bar_a.commit_copy_async();
+            if fp8 {
+                bar_a.arrive_and_wait();
+                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 0, unit);
+                sync_cube();
+                if c_begin + 1 < c_end {
+                    copy_chunk(
+                        kv_vecs,
+                        kv_raw,
+                        &mut kvs,
+                        &mut staging,
+                        0,
+                        block_table,
+                        table,
+                        c_begin + 1,
+                        last_pos,
+                        page_size as usize,
+                        unit,
+                        cfg.format,
+                    );
+                    bar_a.commit_copy_async();
+                }
+            }
         }
         for c in c_begin..c_end {
             // 1. The chunk's KV rows in shared memory as bf16. Positions past the last are
             // read from the last row (finite values, weighted 0 below).
             let buf = (c - c_begin) % 2;
-            if c + 1 < c_end {
-                copy_chunk(
-                    kv_vecs,
-                    kv_raw,
-                    &mut kvs,
-                    &mut staging,
-                    1 - buf,
-                    block_table,
-                    table,
-                    c + 1,
-                    last_pos,
-                    page_size as usize,
-                    unit,
-                    cfg.format,
-                );
+            if !fp8 {
+                if c + 1 < c_end {
+                    copy_chunk(
+                        kv_vecs,
+                        kv_raw,
+                        &mut kvs,
+                        &mut staging,
+                        1 - buf,
+                        block_table,
+                        table,
+                        c + 1,
+                        last_pos,
+                        page_size as usize,
+                        unit,
+                        cfg.format,
+                    );
+                    if buf == 0 {
+                        bar_b.commit_copy_async();
+                    } else {
+                        bar_a.commit_copy_async();
+                    }
+                }
                 if buf == 0 {
-                    bar_b.commit_copy_async();
+                    bar_a.arrive_and_wait();
                 } else {
-                    bar_a.commit_copy_async();
+                    bar_b.arrive_and_wait();
                 }
             }
-            if buf == 0 {
-                bar_a.arrive_and_wait();
-            } else {
-                bar_b.arrive_and_wait();
-            }
-            let mut kb = buf * 32 * KV_STRIDE;
-            if fp8 {
-                decode_fp8_chunk(&staging, &mut kvs, buf, unit);
-                sync_cube();
-                kb = 0;
-            }
+            let kb = buf * 32 * KV_STRIDE;
+            let sb = buf * 32 * 4;
 
-            // 2. Scores over this warp's quarter of the dimensions: 4 n-tiles of 8 positions.
+            // 2. Scores over this warp's dimensions: 4 n-tiles of 8 positions; fp8 scales the
+            // latent part by each position's scale of this warp's group.
             #[unroll]
             for nt in 0..4usize {
                 let mut s = Array::<Acc>::new(2usize);
+                let mut sr = Array::<Acc>::new(2usize);
                 s[0] = Acc::new(0.0);
                 s[1] = Acc::new(0.0);
+                sr[0] = Acc::new(0.0);
+                sr[1] = Acc::new(0.0);
                 #[unroll]
                 for j in 0usize..K_STEPS {
-                    let vec0 = (warp * K_STEPS + j) * 2;
+                    let mut vec0 = 64usize + warp * 2;
+                    if comptime!(j < 8) {
+                        vec0 = warp * 16 + j * 2;
+                    }
                     let at = kb + (nt * 8 + lane % 8) * KV_STRIDE + vec0 + (lane / 8) % 2;
-                    let kb = mma.load_matrix::<Vector<bf16, Const<8>>, Const<2>>(
+                    let kf = mma.load_matrix::<Vector<bf16, Const<8>>, Const<2>>(
                         &kvs.slice(at, at + 1),
                         cmma::MatrixIdent::B,
                         2usize,
@@ -248,7 +299,19 @@ pub fn mma_attention_kernel(
                     for r in 0..4usize {
                         a[r] = qa[j * 4 + r];
                     }
-                    mma.execute_inplace(&a, &kb, &mut s);
+                    if comptime!(fp8 && j == 8) {
+                        mma.execute_inplace(&a, &kf, &mut sr);
+                    } else {
+                        mma.execute_inplace(&a, &kf, &mut s);
+                    }
+                }
+                if fp8 {
+                    let p = nt * 8 + 2 * t;
+                    let mut sc = Acc::empty();
+                    sc[0] = scale_s[sb + p * 4 + warp];
+                    sc[1] = scale_s[sb + (p + 1) * 4 + warp];
+                    s[0] = s[0] * sc + sr[0];
+                    s[1] = s[1] * sc + sr[1];
                 }
                 #[unroll]
                 for half in 0..2usize {
@@ -285,7 +348,11 @@ pub fn mma_attention_kernel(
             for e in 0..4usize {
                 let p = select(sv[e] > NEG_BIG, (sv[e] - m_new).exp(), 0.0);
                 local_sum += p;
-                ps[srow * P_STRIDE + part * 4 + e] = bf16::cast_from(p);
+                if fp8 {
+                    pf[srow * PF_STRIDE + part * 4 + e] = p;
+                } else {
+                    ps[srow * P_STRIDE + part * 4 + e] = bf16::cast_from(p);
+                }
             }
             local_sum += plane_shuffle_xor(local_sum, 1);
             local_sum += plane_shuffle_xor(local_sum, 2);
@@ -297,7 +364,8 @@ pub fn mma_attention_kernel(
             }
             sync_cube();
 
-            // 4. Rescale, then add weights x values for this warp's 128 output dimensions.
+            // 4. Rescale, then add weights x values for this warp's 128 output dimensions
+            // (fp8: weights times each position's scale of this warp's group, then bf16).
             let a_lo = Acc::new(alpha_s[g]);
             let a_hi = Acc::new(alpha_s[g + 8]);
             #[unroll]
@@ -307,14 +375,36 @@ pub fn mma_attention_kernel(
             }
             #[unroll]
             for kk in 0..2usize {
-                let prow = ((lane / 8) % 2) * 8 + lane % 8;
-                let pat = prow * P_STRIDE + kk * 16 + (lane / 16) * 8;
-                let pa = mma.load_matrix::<bf16, Const<2>>(
-                    &ps.slice(pat, pat + 8),
-                    cmma::MatrixIdent::A,
-                    4usize,
-                    false,
-                );
+                let mut pa = Array::<Frag>::new(4usize);
+                if fp8 {
+                    // A fragment registers: rows g, g + 8; columns 2t, 2t + 1 (+ 8).
+                    #[unroll]
+                    for r in 0..4usize {
+                        let row = g + (r % 2) * 8;
+                        let col = kk * 16 + (r / 2) * 8 + 2 * t;
+                        let mut f = Frag::empty();
+                        f[0] = bf16::cast_from(
+                            pf[row * PF_STRIDE + col] * scale_s[sb + col * 4 + warp],
+                        );
+                        f[1] = bf16::cast_from(
+                            pf[row * PF_STRIDE + col + 1] * scale_s[sb + (col + 1) * 4 + warp],
+                        );
+                        pa[r] = f;
+                    }
+                } else {
+                    let prow = ((lane / 8) % 2) * 8 + lane % 8;
+                    let pat = prow * P_STRIDE + kk * 16 + (lane / 16) * 8;
+                    let m = mma.load_matrix::<bf16, Const<2>>(
+                        &ps.slice(pat, pat + 8),
+                        cmma::MatrixIdent::A,
+                        4usize,
+                        false,
+                    );
+                    #[unroll]
+                    for r in 0..4usize {
+                        pa[r] = m[r];
+                    }
+                }
                 #[unroll]
                 for np in 0usize..N_TILES / 2 {
                     let kv_r = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
@@ -340,7 +430,31 @@ pub fn mma_attention_kernel(
                     }
                 }
             }
+            // fp8: the next chunk has landed in staging; decode it into the other operand
+            // buffer (read last in the chunk before), and once every unit is done with
+            // staging, start the copy of the chunk after.
+            if fp8 && c + 1 < c_end {
+                bar_a.arrive_and_wait();
+                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 1 - buf, unit);
+            }
             sync_cube();
+            if fp8 && c + 2 < c_end {
+                copy_chunk(
+                    kv_vecs,
+                    kv_raw,
+                    &mut kvs,
+                    &mut staging,
+                    0,
+                    block_table,
+                    table,
+                    c + 2,
+                    last_pos,
+                    page_size as usize,
+                    unit,
+                    cfg.format,
+                );
+                bar_a.commit_copy_async();
+            }
         }
 
         // Each row's (max, sum) for the warps, and for the combine.
@@ -371,13 +485,19 @@ pub fn mma_attention_kernel(
                 #[unroll]
                 for n in 0usize..N_TILES {
                     let v = acc[n * 2 + half] * scale;
-                    let d = dst_row * 512 + warp * 128 + n * 8 + 2 * t;
+                    // Columns 2t, 2t + 1; fp8 stores dimensions (0, 2, 1, 3) per 4.
+                    let mut d = dst_row * 512 + warp * 128 + n * 8 + 2 * t;
+                    let mut next = 1usize;
+                    if fp8 {
+                        d = dst_row * 512 + warp * 128 + n * 8 + 4 * (t / 2) + t % 2;
+                        next = 2usize;
+                    }
                     if cfg.direct {
                         out[d] = v[0];
-                        out[d + 1] = v[1];
+                        out[d + next] = v[1];
                     } else {
                         part_out[d] = v[0];
-                        part_out[d + 1] = v[1];
+                        part_out[d + next] = v[1];
                     }
                 }
             }
@@ -385,9 +505,9 @@ pub fn mma_attention_kernel(
     }
 }
 
-/// Starts the cp.async copies of chunk `c` into buffer `buf` (this unit's share; positions
-/// past `last_pos` copy the last row): bf16 rows into the operand buffer `kvs`, fp8 rows
-/// (41 vectors of 16 bytes) into `staging`.
+/// Starts the cp.async copies of chunk `c` (this unit's share; positions past `last_pos`
+/// copy the last row): bf16 rows into operand buffer `buf` of `kvs`, fp8 rows (41 vectors
+/// of 16 bytes) into `staging`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_chunk(
@@ -414,7 +534,7 @@ fn copy_chunk(
                 let src = kv_row(block_table, table, min(c * 32 + r, last_pos), page_size)
                     * FP8_ROW_VECS
                     + v;
-                let dst = (buf * 32 + r) * FP8_ROW_VECS + v;
+                let dst = r * FP8_ROW_VECS + v;
                 copy_async(
                     &kv_raw.slice(src, src + 1),
                     &mut staging.slice_mut(dst, dst + 1),
@@ -440,41 +560,51 @@ fn copy_chunk(
     }
 }
 
-/// Decodes staging buffer `buf` (32 fp8 rows: 512 E4M3 codes, 4 f32 scales, 64 bf16 rope
-/// values each) into the bf16 operand buffer: `value = code * scale`, rounded to bf16.
+/// Decodes the staging buffer (32 fp8 rows: 512 E4M3 codes, 4 f32 scales, 64 bf16 rope
+/// values each) into operand buffer `buf`, exactly: each code pair becomes `code * 2^-120`
+/// by moving bits (subnormal in bf16 where needed), then one bf16x2 multiply by `2^120`;
+/// dimensions land as (0, 2, 1, 3) per 4. The scales go to `scale_s[buf]`.
 #[cube]
 fn decode_fp8_chunk(
     staging: &SharedMemory<Vector<u32, Const<4>>>,
     kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    scale_s: &mut SharedMemory<f32>,
     buf: usize,
     unit: usize,
 ) {
+    let two_pow_120 = Frag::reinterpret(TWO_POW_120_BF16X2);
     #[unroll]
     for j in 0..LOADS_PER_UNIT {
         let idx = unit + j * UNITS as usize;
         let r = idx / ROW_VECS;
         let v = idx % ROW_VECS;
-        let row = (buf * 32 + r) * FP8_ROW_VECS;
+        let row = r * FP8_ROW_VECS;
+        let dst = (buf * 32 + r) * KV_STRIDE + v;
         if v < 64 {
-            // Codes 8v..8v+8: words 2v, 2v + 1 of the row; scale word 128 + v / 16.
+            // Codes 8v..8v+8: words 2v, 2v + 1 of the row.
             let codes = staging[row + v / 2];
-            let scales = staging[row + 32];
-            let scale = f32::reinterpret(scales[v / 16]);
-            let mut value = Vector::<bf16, Const<8>>::empty();
+            let mut pairs = Vector::<u32, Const<4>>::empty();
             #[unroll]
             for h in 0..2usize {
-                let word = codes[(v % 2) * 2 + h];
+                let w = codes[(v % 2) * 2 + h];
+                // Bytes 0 and 2, then 1 and 3, each into a bf16 half: magnitude bits to
+                // 4..10, sign to 15.
+                let p02 = ((w & 0x007f_007fu32) << 4) | ((w & 0x0080_0080u32) << 8);
+                let p13 = ((w >> 4) & 0x07f0_07f0u32) | (w & 0x8000_8000u32);
+                pairs[h * 2] = u32::reinterpret(Frag::reinterpret(p02) * two_pow_120);
+                pairs[h * 2 + 1] = u32::reinterpret(Frag::reinterpret(p13) * two_pow_120);
+            }
+            kvs[dst] = Vector::<bf16, Const<8>>::reinterpret(pairs);
+            if v == 0 {
+                let scales = staging[row + 32];
                 #[unroll]
-                for e in 0..4usize {
-                    let code = (word >> (8 * e as u32)) & 0xff;
-                    value[h * 4 + e] = bf16::cast_from(e4m3_bits_to_f32(code) * scale);
+                for i in 0..4usize {
+                    scale_s[(buf * 32 + r) * 4 + i] = f32::reinterpret(scales[i]);
                 }
             }
-            kvs[r * KV_STRIDE + v] = value;
         } else {
             // Rope: 8 bf16 values, one vector at word 132 + 4 (v - 64).
-            kvs[r * KV_STRIDE + v] =
-                Vector::<bf16, Const<8>>::reinterpret(staging[row + 33 + v - 64]);
+            kvs[dst] = Vector::<bf16, Const<8>>::reinterpret(staging[row + 33 + v - 64]);
         }
     }
 }
