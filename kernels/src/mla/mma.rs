@@ -583,7 +583,9 @@ fn decode_fp8_chunk(
     buf: usize,
     unit: usize,
 ) {
-    let two_pow_120 = Frag::reinterpret(TWO_POW_120_BF16X2);
+    // A runtime value (`unit < 2^31`): CubeCL 0.10 bit-casts through `reinterpret_cast<T&>`,
+    // which a literal cannot bind to.
+    let two_pow_120 = Frag::reinterpret(TWO_POW_120_BF16X2 | (unit as u32 >> 31));
     #[unroll]
     for j in 0..LOADS_PER_UNIT {
         let idx = unit + j * UNITS as usize;
