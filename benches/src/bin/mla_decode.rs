@@ -332,8 +332,13 @@ mod decode {
             (64, 49152),
         ];
         // `mla_decode OUT.json fp8` runs the fp8 decode points alone, `... decode` the decode
-        // points of both formats.
-        let mode = std::env::args().nth(2).unwrap_or_default();
+        // points of both formats; `... decode HEADS BATCH CONTEXT` only that shape (for a
+        // profiler).
+        let args: Vec<String> = std::env::args().collect();
+        let mode = args.get(2).cloned().unwrap_or_default();
+        let shape: Option<Vec<usize>> = (args.len() == 6)
+            .then(|| args[3..].iter().map(|a| a.parse()).collect())
+            .transpose()?;
         let only_fp8 = mode == "fp8";
         let decode_only = only_fp8 || mode == "decode";
         let formats: &[KvFormat] = if only_fp8 {
@@ -344,6 +349,9 @@ mod decode {
         for &format in formats {
             for heads in [16, 64] {
                 for &(batch, ctx) in &decode {
+                    if shape.as_ref().is_some_and(|s| s[..] != [heads, batch, ctx]) {
+                        continue;
+                    }
                     let p = point(&client, &timer, &mut rng, format, heads, batch, 1, ctx)?;
                     eprintln!(
                         "done {} H={heads} B={batch} ctx={ctx}: {:.1} us",

@@ -1,7 +1,7 @@
 //! The tensor-core decode GEMM (CUDA `mma.sync m16n8k16`, bf16 operands, f32 accumulators):
 //! `C[M, N] = A[M, K] W[N, K]^T` for dense decode GEMMs (`M <= GEMV_MAX_M`; the kernel
-//! takes up to 8 groups of 8 tokens) and the grouped MoE GEMM at decode sizes, where the
-//! time is the weight read.
+//! takes up to 8 groups of 8 tokens) and the grouped MoE GEMM up to 32 rows per expert on
+//! average, where the time is the weight read.
 //!
 //! The weights are the MMA's A operand (16 rows), the tokens its B operand (8 per group), so
 //! one decoded weight serves up to 8 tokens per instruction and nothing goes through shared
@@ -29,7 +29,7 @@ use cubecl::prelude::*;
 use half::bf16;
 
 use super::fragments::scale_pair;
-use super::kernel::find_expert;
+use super::kernel::{find_expert, find_tile};
 use super::{Operand, OperandBuffers, WeightFormat};
 use crate::DeviceArray;
 
@@ -50,9 +50,14 @@ pub struct GemvConfig {
     pub warps: u32,
     /// 64-column chunks a warp loads before decoding the first.
     pub depth: u32,
-    /// MoE: one cube row per A row, working only where a run of its expert's rows starts.
+    /// MoE: each cube row takes a run of up to `8 * groups` rows of one expert. With one
+    /// group, one cube row per A row, working only where a run starts; with more, the grid's
+    /// rows walk the runs (`find_tile`), at most `M / (8 * groups) + experts` of them.
     pub grouped: bool,
 }
+
+/// The most token groups a grouped cube takes (runs of up to 32 rows of one expert).
+pub const GROUPED_GROUPS: usize = 4;
 
 /// `2^14`: restores the NVFP4 path's sums (`2^-126 * 2^112 = 2^-14`).
 const TWO_POW_14: f32 = 16384.0;
@@ -79,7 +84,23 @@ pub fn gemv_kernel<F: Float>(
     let mut count = min(m as usize - token0, per_cube);
     let mut expert = 0usize;
     let mut active = true;
-    if comptime!(cfg.grouped) {
+    if comptime!(cfg.grouped && cfg.groups > 1) {
+        let mut slot = SharedMemory::<u32>::new(3usize);
+        find_tile(
+            expert_offsets,
+            experts as usize,
+            CUBE_POS_Y as usize,
+            &mut slot,
+            UNIT_POS_X as usize,
+            comptime!(cfg.groups * 8),
+            comptime!(cfg.warps * 32),
+        );
+        sync_cube();
+        expert = slot[0] as usize;
+        token0 = slot[1] as usize;
+        count = slot[2] as usize - token0;
+        active = count > 0;
+    } else if comptime!(cfg.grouped) {
         token0 = CUBE_POS_Y as usize;
         expert = find_expert(expert_offsets, token0 as u32, experts) as usize;
         let begin = expert_offsets[expert] as usize;
@@ -142,7 +163,13 @@ pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
         .num_streaming_multiprocessors
         .unwrap_or(1) as usize;
     let row_tiles = n.div_ceil(16);
-    let groups = if grouped { 1 } else { m.div_ceil(8) };
+    // Grouped: runs of 8 rows per expert where experts average up to 8 rows, more (up to
+    // 32) where they average more.
+    let groups = if grouped {
+        m.div_ceil(experts.max(1) * 8).clamp(1, GROUPED_GROUPS)
+    } else {
+        m.div_ceil(8)
+    };
     // Two tiles per cube halve the activation work where N still gives >= 4 cubes per SM
     // (and the accumulators of 2 tiles x groups fit the registers).
     let tiles = if !grouped && groups <= 2 && row_tiles >= 8 * sms {
@@ -176,7 +203,11 @@ pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
         depth: depth as u32,
         grouped,
     };
-    let y = if grouped { m as u32 } else { 1 };
+    let y = match (grouped, groups) {
+        (false, _) => 1,
+        (true, 1) => m,
+        (true, _) => m.min(m.div_ceil(8 * groups) + experts),
+    } as u32;
     let offsets = expert_offsets.unwrap_or(data);
     // SAFETY: validated shapes; the weight words bind every slot the format does not read.
     unsafe {

@@ -104,3 +104,58 @@ pub(super) fn find_expert(offsets: &Array<u32>, row: u32, experts: u32) -> u32 {
     }
     lo
 }
+
+/// Grouped: finds M-slot `tile`'s expert and rows (`slot` = expert, first row, end row;
+/// an empty range when `tile` is past the last expert's tiles) when each expert's rows are
+/// cut into tiles of `rows`. Expert `e` has `ceil(count_e / rows)` tiles; unit `u` of the
+/// cube's `units` sums the counts of experts `u * per .. (u + 1) * per`, a prefix sum over
+/// the units (plane sums, then the warps' totals) gives where its experts' tiles start, and
+/// the unit whose range holds `tile` writes the answer. Read `slot` after a `sync_cube`.
+#[cube]
+pub(super) fn find_tile(
+    offsets: &Array<u32>,
+    experts: usize,
+    tile: usize,
+    slot: &mut SharedMemory<u32>,
+    unit: usize,
+    #[comptime] rows: u32,
+    #[comptime] units: u32,
+) {
+    let mut warp_totals = SharedMemory::<u32>::new(comptime!(units as usize / 32));
+    let per = experts.div_ceil(units as usize);
+    let first = min(unit * per, experts);
+    let last = min(first + per, experts);
+    let mut mine = 0u32;
+    for e in first..last {
+        mine += (offsets[e + 1] - offsets[e]).div_ceil(rows);
+    }
+    let before_in_warp = plane_exclusive_sum(mine);
+    if unit % 32 == 31 {
+        warp_totals[unit / 32] = before_in_warp + mine;
+    }
+    if unit == 0 {
+        slot[0] = 0;
+        slot[1] = 0;
+        slot[2] = 0;
+    }
+    sync_cube();
+    let mut start = before_in_warp;
+    for w in 0..unit / 32 {
+        start += warp_totals[w];
+    }
+    let t = tile as u32;
+    if t >= start && t < start + mine {
+        let mut rest = t - start;
+        for e in first..last {
+            let begin = offsets[e];
+            let end = offsets[e + 1];
+            let tiles = (end - begin).div_ceil(rows);
+            if rest < tiles {
+                slot[0] = e as u32;
+                slot[1] = begin + rest * rows;
+                slot[2] = min(end, begin + rest * rows + rows);
+            }
+            rest = select(rest < tiles, 1u32 << 30, rest - tiles);
+        }
+    }
+}

@@ -26,6 +26,7 @@ use cubecl::prelude::*;
 use half::bf16;
 
 use super::fragments::{scale_pair, TWO_POW_MINUS_112};
+use super::kernel::find_tile;
 use super::WeightFormat;
 use crate::formats::{e2m1_to_f32, e4m3_to_f32};
 
@@ -81,6 +82,8 @@ pub fn mma_gemm_kernel<F: Float>(
             CUBE_POS_X as usize,
             &mut slot,
             unit,
+            BM,
+            UNITS,
         );
     } else if unit == 0 {
         slot[0] = 0;
@@ -368,57 +371,5 @@ pub fn sum_splits_kernel(
             acc += parts[s * len4 as usize + i];
         }
         out[i] = acc;
-    }
-}
-
-/// Grouped: finds M-slot `tile`'s expert and rows (`slot` = expert, first row, end row;
-/// an empty range when `tile` is past the last expert's tiles). Expert `e` has
-/// `ceil(count_e / 64)` tiles; unit `u` sums the counts of experts `u * per .. (u + 1) * per`,
-/// a prefix sum over the units (plane sums, then the 8 warps' totals) gives where its
-/// experts' tiles start, and the unit whose range holds `tile` writes the answer.
-#[cube]
-fn find_tile(
-    offsets: &Array<u32>,
-    experts: usize,
-    tile: usize,
-    slot: &mut SharedMemory<u32>,
-    unit: usize,
-) {
-    let mut warp_totals = SharedMemory::<u32>::new(8usize);
-    let per = experts.div_ceil(256);
-    let first = min(unit * per, experts);
-    let last = min(first + per, experts);
-    let mut mine = 0u32;
-    for e in first..last {
-        mine += (offsets[e + 1] - offsets[e]).div_ceil(64);
-    }
-    let before_in_warp = plane_exclusive_sum(mine);
-    if unit % 32 == 31 {
-        warp_totals[unit / 32] = before_in_warp + mine;
-    }
-    if unit == 0 {
-        slot[0] = 0;
-        slot[1] = 0;
-        slot[2] = 0;
-    }
-    sync_cube();
-    let mut start = before_in_warp;
-    for w in 0..unit / 32 {
-        start += warp_totals[w];
-    }
-    let t = tile as u32;
-    if t >= start && t < start + mine {
-        let mut rest = t - start;
-        for e in first..last {
-            let begin = offsets[e];
-            let end = offsets[e + 1];
-            let tiles = (end - begin).div_ceil(64);
-            if rest < tiles {
-                slot[0] = e as u32;
-                slot[1] = begin + rest * 64;
-                slot[2] = min(end, begin + rest * 64 + 64);
-            }
-            rest = select(rest < tiles, 1u32 << 30, rest - tiles);
-        }
     }
 }

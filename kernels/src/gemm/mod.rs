@@ -13,9 +13,10 @@
 //! the device (no host sync), so a decode step that routes on the device can call it.
 //!
 //! Four kernels ([`GemmPath`] says which one a GEMM runs):
-//! - `gemv` (CUDA tensor cores) for decode: dense `M <= 16`, grouped `M <= 1024`, NVFP4 in
-//!   the fragment layout or bf16 with `K % 64 == 0`: weights straight from global memory into
-//!   MMA fragments, a cube per run of one expert's rows so only touched experts are read;
+//! - `gemv` (CUDA tensor cores) for decode: dense `M <= 16`, grouped while the experts
+//!   average up to 32 rows, NVFP4 in the fragment layout or bf16 with `K % 64 == 0`: weights
+//!   straight from global memory into MMA fragments, a cube per run of one expert's rows so
+//!   only touched experts are read;
 //! - [`skinny`] for decode elsewhere (`K % 32 == 0` for NVFP4, `K % 8 == 0` for bf16): a
 //!   bandwidth-oriented GEMV with coalesced 16-byte weight loads, decode in registers and a
 //!   cube-level reduction;
@@ -177,7 +178,7 @@ impl Nvfp4Weights {
             self.k,
             WeightFormat::Nvfp4,
             fragments,
-            grouped,
+            grouped.then_some(self.experts),
             precision,
         )
     }
@@ -250,7 +251,7 @@ impl Bf16Weights {
             self.k,
             WeightFormat::Bf16,
             false,
-            grouped,
+            grouped.then_some(self.experts),
             precision,
         )
     }
@@ -489,9 +490,10 @@ fn gemm_path<R: Runtime>(
     k: usize,
     format: WeightFormat,
     fragments: bool,
-    grouped: bool,
+    experts: Option<usize>,
     precision: Precision,
 ) -> GemmPath {
+    let grouped = experts.is_some();
     let skinny = if grouped {
         takes_grouped_skinny(m, k, n, format)
     } else {
@@ -499,8 +501,8 @@ fn gemm_path<R: Runtime>(
     };
     let tensor_cores = precision == Precision::Bf16 && uses_tensor_cores(client, k);
     let gemv_weights = fragments || (format == WeightFormat::Bf16 && tensor_cores);
-    let gemv_rows = if grouped {
-        m <= GROUPED_SKINNY_MAX_M && n <= 65_535
+    let gemv_rows = if let Some(experts) = experts {
+        m <= gemv::GROUPED_GROUPS * 8 * experts && m <= 65_535 && n <= 65_535
     } else {
         m <= GEMV_MAX_M
     };

@@ -120,7 +120,8 @@ fn tiled_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeC
             .unwrap()
             .assert_passed();
     }
-    // Past the grouped skinny limit (1024 rows): the tiled kernel's expert tiles.
+    // Past the grouped skinny limit (1024 rows) and the GEMV's (32 rows per expert on
+    // average): the tiled kernel's expert tiles.
     let rows = vec![600, 0, 3, 500, 1];
     let grouped = GemmCase::grouped(rows.clone(), 150, 128, 420);
     run_gemm::<R, F>(client, &grouped, false)
@@ -141,8 +142,9 @@ fn tiled_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeC
 }
 
 /// Shapes whose NVFP4 weights tile (N % 16 == 0, K % 64 == 0): on CUDA the fragment layout
-/// and the tensor-core GEMV (1 to 8 token groups, partial groups, K split over warps, runs
-/// of one expert's rows up to 8 and past it), elsewhere the other kernels on the same cases.
+/// and the tensor-core GEMV (1 to 8 token groups, partial groups, K split over warps; runs
+/// of one expert's rows of 8, and of up to 32 where experts average more than 8 rows, and
+/// past that the tiled kernel), elsewhere the other kernels on the same cases.
 fn tiled_weight_shapes<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
     let dense = (
         1usize..=64,
@@ -156,7 +158,7 @@ fn tiled_weight_shapes<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
         });
     run_cases::<R, F>(client, dense);
     let grouped = (
-        prop::collection::vec(0usize..=11, 1..=5),
+        prop::collection::vec(0usize..=40, 1..=5),
         1usize..=4,
         1usize..=3,
         any::<bool>(),
