@@ -8,22 +8,18 @@
 //! request run side by side (the row group is the grid's fastest axis), so a KV chunk read
 //! by the 4 row groups of 64 heads comes from L2 after the first.
 //!
-//! Per chunk of [`CHUNK`] KV positions (8 warps, 256 units):
+//! Per chunk of [`CHUNK`] KV positions (4 warps, 128 units):
 //! 1. the chunk's rows arrive in shared memory by cp.async, issued one chunk ahead (fp8
 //!    rows into a staging buffer, decoded at the end of the previous chunk into the other
 //!    of two bf16 operand buffers, so fp8 costs no extra barrier);
-//! 2. warp `w` computes the 16 x 16 scores of half `w / 4` of the positions over quarter
-//!    `w % 4` of the 576 dimensions (128 of the latent, one fp8 scale group, and 16 of the
-//!    rope part), its query fragments held in registers for the whole kernel, and stores
-//!    them;
-//! 3. 16 units per row sum the quarters, mask causally, and run the online softmax
-//!    (running max and sum per row, `plane_shuffle_xor` within the 16 units), writing the
-//!    weights and each row's rescale factor;
-//! 4. each warp rescales its accumulators and adds weights x values for its 64 of the 512
+//! 2. each warp computes the 16 x 32 scores over its quarter of the 576 dimensions (128
+//!    of the latent, one fp8 scale group, and 16 of the rope part), its query fragments
+//!    held in registers for the whole kernel, and stores them;
+//! 3. 8 units per row sum the quarters, mask causally, and run the online softmax
+//!    (running max and sum per row, `plane_shuffle_xor` within the 8 units), writing the
+//!    weights as bf16 and each row's rescale factor;
+//! 4. each warp rescales its accumulators and adds weights x values for its 128 of the 512
 //!    output dimensions (values read with `ldmatrix.trans`).
-//!
-//! Two cubes fit an SM (shared memory), so 8 warps per cube is what hides the latency of
-//! the phases' dependent MMAs, shuffles and barriers.
 //!
 //! With one split the cube writes the normalised output; with several it writes its
 //! unnormalised sums and its rows' (max, sum), and [`combine_kernel`] merges the splits.
@@ -31,8 +27,8 @@
 //! fp8 (E4M3) codes are exact in bf16: the decode only moves bits (`code * 2^-120`, then one
 //! bf16x2 multiply by `2^120`), storing each group of 4 latent dimensions in the order
 //! (0, 2, 1, 3), which the queries' fragments and the output columns follow. The per-row,
-//! per-128-dimension scales multiply the f32 latent scores and, per warp (a warp's 64
-//! output dimensions lie in one scale group), the softmax weights before they are rounded.
+//! per-128-dimension scales multiply the f32 latent scores and, per warp (a warp's 128
+//! output dimensions are one scale group), the softmax weights before they are rounded.
 //!
 //! Rounding: queries and softmax weights are rounded to bf16 for the tensor cores; bf16 KV
 //! values and fp8 codes are exact. `tolerance::attention_allowed` takes the operand type
@@ -48,16 +44,16 @@ use super::KvFormat;
 pub const ROWS: u32 = 16;
 /// KV positions per step.
 pub const CHUNK: u32 = 32;
-/// Units per cube: 8 warps.
-pub const UNITS: u32 = 256;
+/// Units per cube: 4 warps.
+pub const UNITS: u32 = 128;
 /// 16-byte vectors of bf16 per KV row (576 values).
 const ROW_VECS: usize = 72;
-/// 16-byte vectors each unit copies per chunk: 32 rows x 72 / 256 units.
-const LOADS_PER_UNIT: usize = 9;
+/// 16-byte vectors each unit copies per chunk: 32 rows x 72 / 128 units.
+const LOADS_PER_UNIT: usize = 18;
 /// 16-byte vectors of an fp8 row (656 bytes).
 const FP8_ROW_VECS: usize = 41;
-/// fp8 vectors each unit copies per chunk: 32 rows x 41 / 256 units, rounded up.
-const FP8_LOADS_PER_UNIT: usize = 6;
+/// fp8 vectors each unit copies per chunk: 32 rows x 41 / 128 units, rounded up.
+const FP8_LOADS_PER_UNIT: usize = 11;
 /// Shared-memory stride of a KV row in 16-byte vectors: odd, so the 8 rows an `ldmatrix`
 /// reads fall in distinct bank groups.
 const KV_STRIDE: usize = 73;
@@ -67,13 +63,13 @@ const P_STRIDE: usize = 40;
 const S_STRIDE: usize = 33;
 /// Score k-steps (16 dimensions each) per warp: 8 of the latent, 1 of the rope part.
 const K_STEPS: usize = 9;
-/// Shared-memory stride of an f32 weight row (fp8) in pairs: 20 pairs (80 bytes), so the
-/// 8-byte reads of a fragment's pairs are free of bank conflicts.
-const PF_STRIDE: usize = 20;
+/// Shared-memory stride of an f32 weight row (fp8): even, so the 8-byte reads of a
+/// fragment's pairs are free of bank conflicts.
+const PF_STRIDE: usize = 40;
 /// `2^120` in both halves of a bf16x2 register.
 const TWO_POW_120_BF16X2: u32 = 0x7b80_7b80;
-/// Output n-tiles (8 dimensions each) per warp: 512 / 8 / 8.
-const N_TILES: usize = 8;
+/// Output n-tiles (8 dimensions each) per warp: 512 / 8 / 4.
+const N_TILES: usize = 16;
 /// Stands for minus infinity.
 const NEG_BIG: f32 = -3.0e38;
 
@@ -148,20 +144,16 @@ pub fn mma_attention_kernel(
             comptime!(if fp8 { 8 } else { 16 * P_STRIDE }),
             16usize,
         );
-        let mut pf =
-            SharedMemory::<Acc>::new(comptime!(if fp8 { 16 * PF_STRIDE } else { 1 }));
+        let mut pf = SharedMemory::<f32>::new(comptime!(if fp8 { 16 * PF_STRIDE } else { 1 }));
         let mut alpha_s = SharedMemory::<f32>::new(16usize);
 
-        // This warp's query fragments (A, 16 rows x 16 dims per k-step) of dimension quarter
-        // `kq`, from global memory; warp `w` scores positions `16 (w / 4)..` of each chunk.
-        let kq = warp % 4;
-        let ph = warp / 4;
+        // This warp's query fragments (A, 16 rows x 16 dims per k-step), from global memory.
         let mut qa = Array::<Frag>::new(comptime!(K_STEPS * 4));
         #[unroll]
         for j in 0usize..K_STEPS {
-            let mut k0 = 512usize + kq * 16;
+            let mut k0 = 512usize + warp * 16;
             if comptime!(j < 8) {
-                k0 = kq * 128 + j * 16;
+                k0 = warp * 128 + j * 16;
             }
             #[unroll]
             for r in 0..4usize {
@@ -192,9 +184,9 @@ pub fn mma_attention_kernel(
         for i in 0usize..N_TILES * 2 {
             acc[i] = Acc::new(0.0);
         }
-        // The softmax state of row `unit / 16` (its 16 units agree on it).
-        let srow = unit / 16;
-        let part = unit % 16;
+        // The softmax state of row `unit / 8` (its 8 units agree on it).
+        let srow = unit / 8;
+        let part = unit % 8;
         let row_valid = srow < rows_here;
         let row_pos = kv_len - q_len + (row0 + srow) / heads;
         let mut m_run = f32::new(NEG_BIG);
@@ -279,11 +271,10 @@ pub fn mma_attention_kernel(
             let kb = buf * 32 * KV_STRIDE;
             let sb = buf * 32 * 4;
 
-            // 2. Scores over this warp's dimensions: 2 n-tiles of 8 positions; fp8 scales the
+            // 2. Scores over this warp's dimensions: 4 n-tiles of 8 positions; fp8 scales the
             // latent part by each position's scale of this warp's group.
             #[unroll]
-            for nh in 0..2usize {
-                let nt = ph * 2 + nh;
+            for nt in 0..4usize {
                 let mut s = Array::<Acc>::new(2usize);
                 let mut sr = Array::<Acc>::new(2usize);
                 s[0] = Acc::new(0.0);
@@ -292,9 +283,9 @@ pub fn mma_attention_kernel(
                 sr[1] = Acc::new(0.0);
                 #[unroll]
                 for j in 0usize..K_STEPS {
-                    let mut vec0 = 64usize + kq * 2;
+                    let mut vec0 = 64usize + warp * 2;
                     if comptime!(j < 8) {
-                        vec0 = kq * 16 + j * 2;
+                        vec0 = warp * 16 + j * 2;
                     }
                     let at = kb + (nt * 8 + lane % 8) * KV_STRIDE + vec0 + (lane / 8) % 2;
                     let kf = mma.load_matrix::<Vector<bf16, Const<8>>, Const<2>>(
@@ -317,26 +308,26 @@ pub fn mma_attention_kernel(
                 if fp8 {
                     let p = nt * 8 + 2 * t;
                     let mut sc = Acc::empty();
-                    sc[0] = scale_s[sb + p * 4 + kq];
-                    sc[1] = scale_s[sb + (p + 1) * 4 + kq];
+                    sc[0] = scale_s[sb + p * 4 + warp];
+                    sc[1] = scale_s[sb + (p + 1) * 4 + warp];
                     s[0] = s[0] * sc + sr[0];
                     s[1] = s[1] * sc + sr[1];
                 }
                 #[unroll]
                 for half in 0..2usize {
-                    let base = kq * 16 * S_STRIDE + (g + half * 8) * S_STRIDE + nt * 8 + 2 * t;
+                    let base = warp * 16 * S_STRIDE + (g + half * 8) * S_STRIDE + nt * 8 + 2 * t;
                     ss[base] = s[half][0];
                     ss[base + 1] = s[half][1];
                 }
             }
             sync_cube();
 
-            // 3. Online softmax: 16 units per row, 2 positions each.
-            let mut sv = Array::<f32>::new(2usize);
+            // 3. Online softmax: 8 units per row, 4 positions each.
+            let mut sv = Array::<f32>::new(4usize);
             let mut local_max = f32::new(NEG_BIG);
             #[unroll]
-            for e in 0..2usize {
-                let col = part * 2 + e;
+            for e in 0..4usize {
+                let col = part * 4 + e;
                 let at = srow * S_STRIDE + col;
                 let score = (ss[at]
                     + ss[at + 16 * S_STRIDE]
@@ -350,27 +341,22 @@ pub fn mma_attention_kernel(
             local_max = max(local_max, plane_shuffle_xor(local_max, 1));
             local_max = max(local_max, plane_shuffle_xor(local_max, 2));
             local_max = max(local_max, plane_shuffle_xor(local_max, 4));
-            local_max = max(local_max, plane_shuffle_xor(local_max, 8));
             let m_new = max(m_run, local_max);
             let alpha = (m_run - m_new).exp();
             let mut local_sum = 0.0f32;
-            let mut pair = Acc::empty();
             #[unroll]
-            for e in 0..2usize {
+            for e in 0..4usize {
                 let p = select(sv[e] > NEG_BIG, (sv[e] - m_new).exp(), 0.0);
                 local_sum += p;
-                pair[e] = p;
-            }
-            if fp8 {
-                pf[srow * PF_STRIDE + part] = pair;
-            } else {
-                ps[srow * P_STRIDE + part * 2] = bf16::cast_from(pair[0]);
-                ps[srow * P_STRIDE + part * 2 + 1] = bf16::cast_from(pair[1]);
+                if fp8 {
+                    pf[srow * PF_STRIDE + part * 4 + e] = p;
+                } else {
+                    ps[srow * P_STRIDE + part * 4 + e] = bf16::cast_from(p);
+                }
             }
             local_sum += plane_shuffle_xor(local_sum, 1);
             local_sum += plane_shuffle_xor(local_sum, 2);
             local_sum += plane_shuffle_xor(local_sum, 4);
-            local_sum += plane_shuffle_xor(local_sum, 8);
             l_run = l_run * alpha + local_sum;
             m_run = m_new;
             if part == 0 {
@@ -378,7 +364,7 @@ pub fn mma_attention_kernel(
             }
             sync_cube();
 
-            // 4. Rescale, then add weights x values for this warp's 64 output dimensions
+            // 4. Rescale, then add weights x values for this warp's 128 output dimensions
             // (fp8: weights times each position's scale of this warp's group, then bf16).
             let a_lo = Acc::new(alpha_s[g]);
             let a_hi = Acc::new(alpha_s[g + 8]);
@@ -396,10 +382,13 @@ pub fn mma_attention_kernel(
                     for r in 0..4usize {
                         let row = g + (r % 2) * 8;
                         let col = kk * 16 + (r / 2) * 8 + 2 * t;
-                        let w = pf[row * PF_STRIDE + col / 2];
                         let mut f = Frag::empty();
-                        f[0] = bf16::cast_from(w[0] * scale_s[sb + col * 4 + warp / 2]);
-                        f[1] = bf16::cast_from(w[1] * scale_s[sb + (col + 1) * 4 + warp / 2]);
+                        f[0] = bf16::cast_from(
+                            pf[row * PF_STRIDE + col] * scale_s[sb + col * 4 + warp],
+                        );
+                        f[1] = bf16::cast_from(
+                            pf[row * PF_STRIDE + col + 1] * scale_s[sb + (col + 1) * 4 + warp],
+                        );
                         pa[r] = f;
                     }
                 } else {
@@ -419,7 +408,7 @@ pub fn mma_attention_kernel(
                 #[unroll]
                 for np in 0usize..N_TILES / 2 {
                     let kv_r = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-                    let vat = kb + kv_r * KV_STRIDE + warp * 8 + np * 2 + lane / 16;
+                    let vat = kb + kv_r * KV_STRIDE + warp * 16 + np * 2 + lane / 16;
                     let vb = mma.load_matrix::<Vector<bf16, Const<8>>, Const<2>>(
                         &kvs.slice(vat, vat + 1),
                         cmma::MatrixIdent::B,
@@ -497,10 +486,10 @@ pub fn mma_attention_kernel(
                 for n in 0usize..N_TILES {
                     let v = acc[n * 2 + half] * scale;
                     // Columns 2t, 2t + 1; fp8 stores dimensions (0, 2, 1, 3) per 4.
-                    let mut d = dst_row * 512 + warp * 64 + n * 8 + 2 * t;
+                    let mut d = dst_row * 512 + warp * 128 + n * 8 + 2 * t;
                     let mut next = 1usize;
                     if fp8 {
-                        d = dst_row * 512 + warp * 64 + n * 8 + 4 * (t / 2) + t % 2;
+                        d = dst_row * 512 + warp * 128 + n * 8 + 4 * (t / 2) + t % 2;
                         next = 2usize;
                     }
                     if cfg.direct {
