@@ -11,9 +11,12 @@
 //! does, against the reference forward that rounds them the same way. The served model
 //! (`Precision::Bf16`: tensor cores where the device has them, every GEMM's activations and
 //! the attention's queries and softmax weights rounded to bf16) is held to `2^-6 * max
-//! |logit|`, over every cache format (fp8 codes are exact in bf16 and their scales apply in
-//! f32): three layers of bf16 operands moved these fixtures' logits by up to 0.56x that
-//! bound on the H200 (2026-12-03).
+//! |logit|`: three layers of bf16 operands moved these fixtures' logits by up to 0.56x that
+//! bound on the H200 (2026-12-03). Over an fp8 cache it is `2^-5`: the attention reads the
+//! fp8 codes exactly, but the latent it quantizes comes out of bf16-operand GEMMs, and where
+//! that moved a value across an E4M3 rounding boundary the stored code is one E4M3 step
+//! (2^-4 relative) away from the reference's. A single prefilled token, whose attention is
+//! its own value row, already lands at 1.09x of `2^-6` on the H200 (2026-12-03).
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, ModelError, RequestSlice};
 use kiln_kernels::mla::KvFormat;
@@ -57,21 +60,22 @@ fn golden(dir: &Path) -> Vec<(Vec<u32>, Vec<f32>)> {
     out
 }
 
-/// Compares logits row by row; returns the worst error relative to each row's bound.
-/// `bound` is the allowed error relative to the row's largest value (`BF16_BOUND` or
-/// `BF16_OPERANDS_BOUND`).
+/// Compares logits row by row; returns the worst error relative to each row's bound, and
+/// fails naming the worst logit when that is above 1. `bound` is the allowed error relative
+/// to the row's largest value (`BF16_BOUND` or `BF16_OPERANDS_BOUND`).
 fn check_rows(name: &str, got: &[f64], want: &[f32], vocab: usize, bound: f64) -> f64 {
     let mut worst = 0.0f64;
+    let mut worst_at = String::new();
     for (t, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
         let scale = w.iter().fold(0.0f64, |m, &x| m.max((x as f64).abs()));
         let allowed = bound * scale;
         for (v, (&a, &b)) in g.iter().zip(w).enumerate() {
-            let err = (a - b as f64).abs();
-            assert!(
-                err <= allowed,
-                "{name} token {t} logit {v}: kiln {a} vs HF {b} (allowed {allowed:e})"
-            );
-            worst = worst.max(err / allowed);
+            let ratio = (a - b as f64).abs() / allowed;
+            // A NaN is the worst and stays so.
+            if !worst.is_nan() && !(ratio <= worst) {
+                worst = ratio;
+                worst_at = format!("token {t} logit {v}: kiln {a} vs {b} (allowed {allowed:e})");
+            }
         }
         let mut order: Vec<usize> = (0..vocab).collect();
         order.sort_by(|&i, &j| w[j].total_cmp(&w[i]));
@@ -83,6 +87,7 @@ fn check_rows(name: &str, got: &[f64], want: &[f32], vocab: usize, bound: f64) -
             );
         }
     }
+    assert!(worst <= 1.0, "{name}: {worst:.4} of the bound at {worst_at}");
     worst
 }
 
@@ -120,6 +125,9 @@ fn reference_forward_matches_hf_with_modelopt_nvfp4_experts() {
 const BF16_BOUND: f64 = 1.0 / 256.0;
 /// Four of them: the served model, whose tensor cores round operands to bf16 in every layer.
 const BF16_OPERANDS_BOUND: f64 = 1.0 / 64.0;
+/// The served model over an fp8 cache: an input moved by bf16 rounding can flip an E4M3 code
+/// (see the module docs).
+const BF16_OPERANDS_FP8_BOUND: f64 = 1.0 / 32.0;
 
 fn device_model<R: Runtime>(
     client: &ComputeClient<R>,
@@ -220,7 +228,10 @@ fn quantized_cache_matches_reference<R: Runtime>(
     storage: KvStorage,
     precision: Precision,
 ) {
-    let bound = bound(precision);
+    let bound = match (precision, kv) {
+        (Precision::Bf16, KvFormat::Fp8) => BF16_OPERANDS_FP8_BOUND,
+        _ => bound(precision),
+    };
     let (ckpt, model) = device_model(client, name, precision);
     let weights = ckpt.reference_weights().unwrap();
     let (tokens, _) = golden(&fixture(name)).pop().unwrap();

@@ -508,7 +508,7 @@ fn gemm_path<R: Runtime>(
     };
     if gemv_weights && gemv_rows {
         GemmPath::Gemv
-    } else if skinny {
+    } else if skinny && !fragments {
         GemmPath::Skinny
     } else if tensor_cores {
         GemmPath::TensorCores

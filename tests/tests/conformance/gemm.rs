@@ -205,9 +205,15 @@ fn fragment_weights_take_the_gemv<R: Runtime>(client: &ComputeClient<R>) {
             weights.path(client, GEMV_MAX_M + 1, false, Precision::Bf16),
             GemmPath::TensorCores
         );
+        // Grouped: the GEMV while experts average up to 32 rows (one expert here), then the
+        // tiled kernel (the skinny one cannot read fragments).
         assert_eq!(
-            weights.path(client, 1024, true, Precision::Bf16),
+            weights.path(client, 32, true, Precision::Bf16),
             GemmPath::Gemv
+        );
+        assert_eq!(
+            weights.path(client, 33, true, Precision::Bf16),
+            GemmPath::TensorCores
         );
     } else {
         eprintln!("SKIP fragment_weights_take_the_gemv: no bf16 tensor cores here");
