@@ -12,11 +12,14 @@
 //! (`Precision::Bf16`: tensor cores where the device has them, every GEMM's activations and
 //! the attention's queries and softmax weights rounded to bf16) is held to `2^-6 * max
 //! |logit|`: three layers of bf16 operands moved these fixtures' logits by up to 0.56x that
-//! bound on the H200 (2026-12-03). Over an fp8 cache it is `2^-5`: the attention reads the
-//! fp8 codes exactly, but the latent it quantizes comes out of bf16-operand GEMMs, and where
-//! that moved a value across an E4M3 rounding boundary the stored code is one E4M3 step
-//! (2^-4 relative) away from the reference's. A single prefilled token, whose attention is
-//! its own value row, already lands at 1.09x of `2^-6` on the H200 (2026-12-03).
+//! bound on the H200 (2026-12-03). Over an fp8 cache the attention reads the fp8 codes
+//! exactly, but the latent it quantizes comes out of bf16-operand GEMMs: where that moved a
+//! value (or its group's scale) across an E4M3 rounding boundary, the stored code is one
+//! E4M3 step away from the reference's. Two quantizations of nearly equal inputs differ by
+//! at most what each is from the input, so each row also allows twice the fp8 storage's own
+//! effect on it (the reference forward with fp8 storage against exact storage). A fixed
+//! `2^-6` failed at 1.09x on a single prefilled token and `2^-5` on an argmax with a clear
+//! margin (H200, 2026-12-03).
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, ModelError, RequestSlice};
 use kiln_kernels::mla::KvFormat;
@@ -64,11 +67,25 @@ fn golden(dir: &Path) -> Vec<(Vec<u32>, Vec<f32>)> {
 /// fails naming the worst logit when that is above 1. `bound` is the allowed error relative
 /// to the row's largest value (`BF16_BOUND` or `BF16_OPERANDS_BOUND`).
 fn check_rows(name: &str, got: &[f64], want: &[f32], vocab: usize, bound: f64) -> f64 {
+    let rows = want.len() / vocab;
+    check_rows_with_slack(name, got, want, vocab, bound, &vec![0.0; rows])
+}
+
+/// [`check_rows`] with `slack[t]` added to row `t`'s allowed error.
+fn check_rows_with_slack(
+    name: &str,
+    got: &[f64],
+    want: &[f32],
+    vocab: usize,
+    bound: f64,
+    slack: &[f64],
+) -> f64 {
     let mut worst = 0.0f64;
     let mut worst_at = String::new();
+    let mut argmax_at = String::new();
     for (t, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
         let scale = w.iter().fold(0.0f64, |m, &x| m.max((x as f64).abs()));
-        let allowed = bound * scale;
+        let allowed = bound * scale + slack[t];
         for (v, (&a, &b)) in g.iter().zip(w).enumerate() {
             let ratio = (a - b as f64).abs() / allowed;
             // A NaN is the worst and stays so.
@@ -81,13 +98,16 @@ fn check_rows(name: &str, got: &[f64], want: &[f32], vocab: usize, bound: f64) -
         order.sort_by(|&i, &j| w[j].total_cmp(&w[i]));
         if (w[order[0]] - w[order[1]]) as f64 > 2.0 * allowed {
             let argmax = (0..vocab).max_by(|&i, &j| g[i].total_cmp(&g[j])).unwrap();
-            assert_eq!(
-                argmax, order[0],
-                "{name} token {t}: argmax differs with a clear HF margin"
-            );
+            if argmax != order[0] && argmax_at.is_empty() {
+                argmax_at = format!("token {t}: argmax {argmax}, expected {}", order[0]);
+            }
         }
     }
     assert!(worst <= 1.0, "{name}: {worst:.4} of the bound at {worst_at}");
+    assert!(
+        argmax_at.is_empty(),
+        "{name}: argmax differs with a clear margin at {argmax_at}"
+    );
     worst
 }
 
@@ -125,9 +145,6 @@ fn reference_forward_matches_hf_with_modelopt_nvfp4_experts() {
 const BF16_BOUND: f64 = 1.0 / 256.0;
 /// Four of them: the served model, whose tensor cores round operands to bf16 in every layer.
 const BF16_OPERANDS_BOUND: f64 = 1.0 / 64.0;
-/// The served model over an fp8 cache: an input moved by bf16 rounding can flip an E4M3 code
-/// (see the module docs).
-const BF16_OPERANDS_FP8_BOUND: f64 = 1.0 / 32.0;
 
 fn device_model<R: Runtime>(
     client: &ComputeClient<R>,
@@ -228,19 +245,26 @@ fn quantized_cache_matches_reference<R: Runtime>(
     storage: KvStorage,
     precision: Precision,
 ) {
-    let bound = match (precision, kv) {
-        (Precision::Bf16, KvFormat::Fp8) => BF16_OPERANDS_FP8_BOUND,
-        _ => bound(precision),
-    };
     let (ckpt, model) = device_model(client, name, precision);
     let weights = ckpt.reference_weights().unwrap();
     let (tokens, _) = golden(&fixture(name)).pop().unwrap();
-    let want: Vec<f32> = forward_with_kv(&ckpt.spec.arch, &weights, &tokens, storage)
-        .iter()
-        .map(|&x| x as f32)
-        .collect();
+    let reference = forward_with_kv(&ckpt.spec.arch, &weights, &tokens, storage);
+    let want: Vec<f32> = reference.iter().map(|&x| x as f32).collect();
+    let vocab = model.config.vocab_size;
+    // The served model re-quantizes a bf16-moved latent (module docs): twice the fp8
+    // storage's own effect on each row.
+    let slack: Vec<f64> = if precision == Precision::Bf16 && kv == KvFormat::Fp8 {
+        let exact = forward(&ckpt.spec.arch, &weights, &tokens);
+        reference
+            .chunks(vocab)
+            .zip(exact.chunks(vocab))
+            .map(|(q, e)| 2.0 * q.iter().zip(e).fold(0.0f64, |m, (a, b)| m.max((a - b).abs())))
+            .collect()
+    } else {
+        vec![0.0; tokens.len()]
+    };
     let got = prefill(&model, &tokens, kv);
-    let worst = check_rows(name, &got, &want, model.config.vocab_size, bound);
+    let worst = check_rows_with_slack(name, &got, &want, vocab, bound(precision), &slack);
     eprintln!(
         "{name} {kv:?} cache ({precision:?}): worst error {worst:.4} of the bound against the reference"
     );
