@@ -89,7 +89,7 @@ fn check_rows_with_slack(
         for (v, (&a, &b)) in g.iter().zip(w).enumerate() {
             let ratio = (a - b as f64).abs() / allowed;
             // A NaN is the worst and stays so.
-            if !worst.is_nan() && !(ratio <= worst) {
+            if !worst.is_nan() && (ratio.is_nan() || ratio > worst) {
                 worst = ratio;
                 worst_at = format!("token {t} logit {v}: kiln {a} vs {b} (allowed {allowed:e})");
             }
