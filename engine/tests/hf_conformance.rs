@@ -103,7 +103,10 @@ fn check_rows_with_slack(
             }
         }
     }
-    assert!(worst <= 1.0, "{name}: {worst:.4} of the bound at {worst_at}");
+    assert!(
+        worst <= 1.0,
+        "{name}: {worst:.4} of the bound at {worst_at}"
+    );
     assert!(
         argmax_at.is_empty(),
         "{name}: argmax differs with a clear margin at {argmax_at}"
@@ -258,7 +261,12 @@ fn quantized_cache_matches_reference<R: Runtime>(
         reference
             .chunks(vocab)
             .zip(exact.chunks(vocab))
-            .map(|(q, e)| 2.0 * q.iter().zip(e).fold(0.0f64, |m, (a, b)| m.max((a - b).abs())))
+            .map(|(q, e)| {
+                2.0 * q
+                    .iter()
+                    .zip(e)
+                    .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
+            })
             .collect()
     } else {
         vec![0.0; tokens.len()]

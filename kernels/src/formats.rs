@@ -49,4 +49,3 @@ pub fn byte_at(words: &Array<u32>, index: usize) -> u32 {
 pub fn half_at(words: &Array<u32>, index: usize) -> u32 {
     (words[index / 2] >> (((index % 2) * 16) as u32)) & 0xffff
 }
-

@@ -63,8 +63,7 @@ const P_STRIDE: usize = 40;
 const S_STRIDE: usize = 33;
 /// Score k-steps (16 dimensions each) per warp: 8 of the latent, 1 of the rope part.
 const K_STEPS: usize = 9;
-/// Shared-memory stride of an f32 weight row (fp8): even, so the 8-byte reads of a
-/// fragment's pairs are free of bank conflicts.
+/// Shared-memory stride of an f32 weight row (fp8), in f32.
 const PF_STRIDE: usize = 40;
 /// `2^120` in both halves of a bf16x2 register.
 const TWO_POW_120_BF16X2: u32 = 0x7b80_7b80;
@@ -137,7 +136,8 @@ pub fn mma_attention_kernel(
             16usize,
         );
         // fp8: each operand buffer's scales, `[buf][position][group]`.
-        let mut scale_s = SharedMemory::<f32>::new(comptime!(if fp8 { 2 * 32 * 4usize } else { 1 }));
+        let mut scale_s =
+            SharedMemory::<f32>::new(comptime!(if fp8 { 2 * 32 * 4usize } else { 1 }));
         let mut ss = SharedMemory::<f32>::new(4 * 16 * S_STRIDE);
         // The softmax weights: bf16 for `ldmatrix` (bf16 KV), f32 to be scaled per warp (fp8).
         let mut ps = SharedMemory::<bf16>::new_aligned(
