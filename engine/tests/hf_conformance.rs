@@ -17,9 +17,8 @@
 //! value (or its group's scale) across an E4M3 rounding boundary, the stored code is one
 //! E4M3 step away from the reference's. Two quantizations of nearly equal inputs differ by
 //! at most what each is from the input, so each row also allows twice the fp8 storage's own
-//! effect on it (the reference forward with fp8 storage against exact storage). A fixed
-//! `2^-6` failed at 1.09x on a single prefilled token and `2^-5` on an argmax with a clear
-//! margin (H200, 2026-12-03).
+//! effect on it (the reference with fp8 storage against exact storage), checked where no
+//! expert routing can flip (see `served_fp8_cache_tracks_the_reference_before_routing`).
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, ModelError, RequestSlice};
 use kiln_kernels::mla::KvFormat;
@@ -27,7 +26,7 @@ use kiln_kernels::Precision;
 use std::path::{Path, PathBuf};
 
 use kiln::model::Checkpoint;
-use kiln_reference::model::{forward, forward_with_kv, KvStorage};
+use kiln_reference::model::{forward, forward_with_kv, hidden_states_with_kv, KvStorage};
 use safetensors::{Dtype, SafeTensors};
 
 fn fixture(name: &str) -> PathBuf {
@@ -254,25 +253,8 @@ fn quantized_cache_matches_reference<R: Runtime>(
     let reference = forward_with_kv(&ckpt.spec.arch, &weights, &tokens, storage);
     let want: Vec<f32> = reference.iter().map(|&x| x as f32).collect();
     let vocab = model.config.vocab_size;
-    // The served model re-quantizes a bf16-moved latent (module docs): twice the fp8
-    // storage's own effect on each row.
-    let slack: Vec<f64> = if precision == Precision::Bf16 && kv == KvFormat::Fp8 {
-        let exact = forward(&ckpt.spec.arch, &weights, &tokens);
-        reference
-            .chunks(vocab)
-            .zip(exact.chunks(vocab))
-            .map(|(q, e)| {
-                2.0 * q
-                    .iter()
-                    .zip(e)
-                    .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
-            })
-            .collect()
-    } else {
-        vec![0.0; tokens.len()]
-    };
     let got = prefill(&model, &tokens, kv);
-    let worst = check_rows_with_slack(name, &got, &want, vocab, bound(precision), &slack);
+    let worst = check_rows(name, &got, &want, vocab, bound(precision));
     eprintln!(
         "{name} {kv:?} cache ({precision:?}): worst error {worst:.4} of the bound against the reference"
     );
@@ -315,8 +297,56 @@ fn served_model_tracks_hf<R: Runtime>(client: &ComputeClient<R>) {
 fn served_model_tracks_the_reference_with_quantized_caches<R: Runtime>(client: &ComputeClient<R>) {
     let (kv, storage) = (KvFormat::Bf16, KvStorage::Bf16);
     quantized_cache_matches_reference(client, "tiny-kimi", kv, storage, Precision::Bf16);
-    let (kv, storage) = (KvFormat::Fp8, KvStorage::Fp8);
-    quantized_cache_matches_reference(client, "tiny-kimi-nvfp4", kv, storage, Precision::Bf16);
+    served_fp8_cache_tracks_the_reference_before_routing(client, "tiny-kimi-nvfp4");
+}
+
+/// The served model over an fp8 cache, checked on the residual stream after the dense first
+/// layer (attention over the fp8 cache, then a dense MLP), before any expert routing: each
+/// row within the served bound plus twice the fp8 storage's own effect on it there (module
+/// docs). The logits are not checked: on these 8-expert top-2 fixtures a small change flips
+/// a token's expert choice, which moves its logits by up to 2.3 of a largest logit of ~3.5
+/// (H200, 2026-12-03: the reference's own fp8 rounding flips tokens 9 and 24 by 2.28 and
+/// 0.89; the served model's fp8 cache flips token 32 by 1.93 against its bf16 cache), and
+/// no per-row tolerance holds across a discrete choice.
+fn served_fp8_cache_tracks_the_reference_before_routing<R: Runtime>(
+    client: &ComputeClient<R>,
+    name: &str,
+) {
+    let (ckpt, model) = device_model(client, name, Precision::Bf16);
+    let arch = &ckpt.spec.arch;
+    assert!(
+        arch.first_k_dense_replace >= 1,
+        "{name} has no dense first layer"
+    );
+    let weights = ckpt.reference_weights().unwrap();
+    let (tokens, _) = golden(&fixture(name)).pop().unwrap();
+    let after_first = |kv| hidden_states_with_kv(arch, &weights, &tokens, kv).swap_remove(1);
+    let (want, exact) = (after_first(KvStorage::Fp8), after_first(KvStorage::Exact));
+    let h = model.config.hidden_size;
+    let slack: Vec<f64> = want
+        .chunks(h)
+        .zip(exact.chunks(h))
+        .map(|(q, e)| {
+            2.0 * q
+                .iter()
+                .zip(e)
+                .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
+        })
+        .collect();
+    let want: Vec<f32> = want.iter().map(|&x| x as f32).collect();
+    let (page, pages) = (4, tokens.len().div_ceil(4));
+    let pool = model.kv_pool(pages + 2, page, KvFormat::Fp8);
+    let mut batch = Batch::new(vec![RequestSlice {
+        tokens: tokens.clone(),
+        kv_len: tokens.len(),
+        block_table: (0..pages as u32).rev().map(|p| p + 1).collect(),
+    }]);
+    batch.capture = vec![0];
+    let out = model.step(&batch, &pool).unwrap();
+    let got: Vec<f64> = out.hidden[0].1.iter().map(|&x| x as f64).collect();
+    let name = format!("{name} hidden after layer 0 (Fp8 cache, Bf16)");
+    let worst = check_rows_with_slack(&name, &got, &want, h, BF16_OPERANDS_BOUND, &slack);
+    eprintln!("{name}: worst error {worst:.4} of the bound against the reference");
 }
 
 /// Captured hidden states (what a drafter conditions on) equal the reference's residual

@@ -95,6 +95,7 @@ pub fn realistic_cases() -> Vec<Case> {
             vocab: 163840,
             stochastic: false,
             seed: 8,
+            cubes: None,
         }),
         Case::Tree(TreeCase {
             batch: 4,
@@ -102,6 +103,7 @@ pub fn realistic_cases() -> Vec<Case> {
             vocab: 32768,
             stochastic: true,
             seed: 9,
+            cubes: None,
         }),
     ]
 }

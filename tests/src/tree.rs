@@ -21,6 +21,8 @@ pub struct TreeCase {
     pub vocab: usize,
     pub stochastic: bool,
     pub seed: u64,
+    /// Cubes per request for the stochastic verifier (`None`: the launcher's choice).
+    pub cubes: Option<usize>,
 }
 
 struct Inputs {
@@ -104,23 +106,27 @@ pub fn run_tree<R: Runtime>(
         parents: DeviceArray::upload(client, &parents),
         tokens: DeviceArray::upload(client, &tokens),
     };
-    let out = Verdicts {
-        accepted: DeviceArray::filled(client, case.batch * n, i32::MIN),
-        accept_len: DeviceArray::filled(client, case.batch, u32::MAX),
-        bonus: DeviceArray::filled(client, case.batch, u32::MAX),
-    };
+    let out = Verdicts::new(client, case.batch, n);
     let (argmax, target, draft, uniforms);
     let launch: Box<dyn Fn() -> Result<(), KernelError>> = if case.stochastic {
         target = DeviceArray::upload(client, &inputs.target);
         draft = DeviceArray::upload(client, &inputs.draft);
         uniforms = DeviceArray::upload(client, &inputs.uniforms);
-        Box::new(|| {
-            tree_verify::verify_stochastic(client, &trees, &target, &draft, &uniforms, v, &out)
+        Box::new(|| match case.cubes {
+            None => {
+                tree_verify::verify_stochastic(client, &trees, &target, &draft, &uniforms, v, &out)
+            }
+            Some(cubes) => tree_verify::verify_stochastic_split(
+                client, &trees, &target, &draft, &uniforms, v, &out, cubes,
+            ),
         })
     } else {
         argmax = DeviceArray::upload(client, &inputs.argmax);
         Box::new(|| tree_verify::verify_greedy(client, &trees, &argmax, &out))
     };
+    // Twice over the same buffers: the stochastic verifier's cubes must leave their
+    // exchange words as they found them.
+    launch()?;
     launch()?;
     let accepted = out.accepted.read(client);
     let accept_len = out.accept_len.read(client);

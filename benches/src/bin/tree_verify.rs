@@ -20,9 +20,11 @@
 //! (the residual `relu(r - q)` needs both in full); at the last node, when none of its children
 //! was rejected (a leaf), its target row (the bonus is sampled from it); plus the tree, the
 //! uniforms and the outputs. Greedy: the tree, the argmax ids and the outputs. The stochastic
-//! kernel runs one cube (one SM) per request, so `max req MB` (the most bytes one request
-//! needs) bounds its time by one SM's bandwidth however wide the batch. Targets (issue 6, at
-//! batch 64 and 64 nodes): greedy <= 10 us, stochastic <= 1.3x the floor.
+//! kernel splits a request's rows over `cubes` cubes (`stochastic_split`: one per SM over the
+//! batch); `max req MB` (the most bytes one request needs) over that many SMs' bandwidth
+//! bounds its time however wide the batch. Where it splits, the same launches also run on
+//! one cube per request (`1-cube us`), for the ratio from the same run. Targets (issue 6,
+//! at batch 64 and 64 nodes): greedy <= 10 us, stochastic <= 1.3x the floor.
 //!
 //! Prints a table and writes JSON to the path given as the first argument.
 
@@ -45,7 +47,9 @@ mod tree {
     use cubecl::prelude::*;
     use kiln_benches::device_time::{Client, SpinTimer};
     use kiln_benches::HBM_BYTES_PER_S;
-    use kiln_kernels::tree_verify::{verify_greedy, verify_stochastic, TreeBatch, Verdicts};
+    use kiln_kernels::tree_verify::{
+        stochastic_split, verify_greedy, verify_stochastic_split, TreeBatch, Verdicts,
+    };
     use kiln_kernels::DeviceArray;
     use kiln_reference::data::{categorical, Rng};
     use kiln_reference::tree::{self as reference, Tree, Verdict};
@@ -71,6 +75,10 @@ mod tree {
         nodes: usize,
         vocab: usize,
         us: f64,
+        /// Cubes per request (stochastic: the launcher's split).
+        cubes: usize,
+        /// Stochastic with a split: the same launches on one cube per request.
+        one_cube_us: Option<f64>,
         floor_bytes: f64,
         floor_us: f64,
         ratio_to_floor: f64,
@@ -84,8 +92,6 @@ mod tree {
         max_request_bytes: f64,
         copies: usize,
         launches: usize,
-        enqueue_us: f64,
-        spin_us: f64,
     }
 
     /// One verification problem on the host: trees, top tokens and masses per row
@@ -369,18 +375,21 @@ mod tree {
             parents: DeviceArray::upload(client, &parents),
             tokens: DeviceArray::upload(client, &tokens),
         };
-        let out = Verdicts {
-            accepted: DeviceArray::filled(client, batch * nodes, i32::MIN),
-            accept_len: DeviceArray::filled(client, batch, u32::MAX),
-            bonus: DeviceArray::filled(client, batch, u32::MAX),
-        };
+        let out = Verdicts::new(client, batch, nodes);
         let uniforms = DeviceArray::upload(client, &p.uniforms);
         let argmax = DeviceArray::upload(client, &p.argmax);
         let mut copies = Vec::new();
-        let launch = |copies: &[(DeviceArray<f32>, DeviceArray<f32>)], i: usize| {
+        let cubes = if stochastic {
+            stochastic_split(client, batch, VOCAB)
+        } else {
+            1
+        };
+        let launch = |copies: &[(DeviceArray<f32>, DeviceArray<f32>)], i: usize, cubes| {
             let r = if stochastic {
                 let (target, draft) = &copies[i % copies.len()];
-                verify_stochastic(client, &trees, target, draft, &uniforms, VOCAB, &out)
+                verify_stochastic_split(
+                    client, &trees, target, draft, &uniforms, VOCAB, &out, cubes,
+                )
             } else {
                 verify_greedy(client, &trees, &argmax, &out)
             };
@@ -392,7 +401,7 @@ mod tree {
                 device_rows(client, &p, &p.draft_mass, 2),
             ));
         }
-        launch(&copies, 0);
+        launch(&copies, 0, cubes);
         let verdicts = validate(client, &p, &out, copies.first().map(|(t, d)| (t, d)))?;
         let w = work(&p, &verdicts, stochastic);
         if stochastic {
@@ -410,24 +419,34 @@ mod tree {
         let floor_s = w.floor_bytes / HBM_BYTES_PER_S;
         // Enough launches for ~600 us of device work, few enough to enqueue within the spin.
         let launches = ((600e-6 / (3.0 * floor_s).max(5e-6)).ceil() as usize).clamp(10, 200);
-        for i in 0..copies.len().max(1) {
-            launch(&copies, i);
-        }
-        let timed = timer.time(launches, |i| launch(&copies, i));
-        anyhow::ensure!(
-            timed.enqueue < timed.spin,
-            "enqueue ({:.6} s) outlasted the spin ({:.6} s)",
-            timed.enqueue,
-            timed.spin
-        );
-        let us = timed.per_launch * 1e6;
-        let ratio = timed.per_launch / floor_s;
+        let time = |cubes| -> anyhow::Result<f64> {
+            for i in 0..copies.len().max(1) {
+                launch(&copies, i, cubes);
+            }
+            let timed = timer.time(launches, |i| launch(&copies, i, cubes));
+            anyhow::ensure!(
+                timed.enqueue < timed.spin,
+                "enqueue ({:.6} s) outlasted the spin ({:.6} s)",
+                timed.enqueue,
+                timed.spin
+            );
+            Ok(timed.per_launch)
+        };
+        let per_launch = time(cubes)?;
+        let one_cube_us = match cubes {
+            1 => None,
+            _ => Some(time(1)? * 1e6),
+        };
+        let us = per_launch * 1e6;
+        let ratio = per_launch / floor_s;
         Ok(Row {
             mode: if stochastic { "stochastic" } else { "greedy" },
             batch,
             nodes,
             vocab: VOCAB,
             us,
+            cubes,
+            one_cube_us,
             floor_bytes: w.floor_bytes,
             floor_us: floor_s * 1e6,
             ratio_to_floor: ratio,
@@ -442,8 +461,6 @@ mod tree {
             max_request_bytes: w.max_request_bytes,
             copies: copies.len().max(1),
             launches,
-            enqueue_us: timed.enqueue * 1e6,
-            spin_us: timed.spin * 1e6,
         })
     }
 
@@ -473,11 +490,13 @@ mod tree {
 
     fn print_table(rows: &[Row]) {
         println!(
-            "{:<10} {:>3} {:>5} {:>9} {:>9} {:>7} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8}",
+            "{:<10} {:>3} {:>5} {:>9} {:>5} {:>9} {:>9} {:>7} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8}",
             "mode",
             "B",
             "nodes",
             "us",
+            "cubes",
+            "1-cube us",
             "floor us",
             "xfloor",
             "target",
@@ -494,11 +513,13 @@ mod tree {
                 None => "-",
             };
             println!(
-                "{:<10} {:>3} {:>5} {:>9.2} {:>9.3} {:>7.2} {:>6} {:>6.2} {:>6.2} {:>8.2} {:>8.2} {:>8.2}",
+                "{:<10} {:>3} {:>5} {:>9.2} {:>5} {:>9} {:>9.3} {:>7.2} {:>6} {:>6.2} {:>6.2} {:>8.2} {:>8.2} {:>8.2}",
                 r.mode,
                 r.batch,
                 r.nodes,
                 r.us,
+                r.cubes,
+                r.one_cube_us.map_or("-".into(), |u| format!("{u:.2}")),
                 r.floor_us,
                 r.ratio_to_floor,
                 target,

@@ -17,12 +17,21 @@
 //!   segment (the segment re-read: 1/16 of the row at 512 units), then the token.
 //! - Reductions go through shared memory only (llvmpipe has no plane operations).
 //!
-//! The limit of the design: one cube, so one SM, per request. A request whose walk needs
-//! several rows takes them at one SM's bandwidth however wide the batch, and a batch below
-//! the SM count leaves the rest of the GPU idle.
+//! - Several cubes per request where the device lets them all run at once (the launcher's
+//!   choice, [`super::verify_stochastic_split`]): each takes one contiguous share of every
+//!   row, all walk the same tree, and after each pass they trade their share's sum through
+//!   `exchange` (one atomic word per cube and pass, empty until written), so every cube
+//!   adds the same sums in the same order and takes the same decisions. The cube whose
+//!   share holds the bonus's mass samples it. The last cube out empties the words again.
+//!   A cube waits for the others' words, so this is only safe when all cubes are resident
+//!   together; with one cube per request nothing waits.
 use cubecl::prelude::*;
 
-use super::MAX_NODES;
+use super::{MAX_NODES, MAX_SPLIT};
+
+/// An exchange word no cube has written (a NaN no pass stores: a sum that is this NaN is
+/// stored as the canonical one).
+pub(super) const EMPTY: u32 = 0xffff_ffff;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -93,16 +102,31 @@ pub fn verify_stochastic_kernel<N: Size>(
     accepted: &mut Array<i32>,
     accept_len: &mut Array<u32>,
     bonus: &mut Array<u32>,
+    exchange: &mut Array<Atomic<u32>>,
     nodes: u32,
     vocab: u32,
+    cubes: u32,
     #[comptime] units: u32,
 ) {
-    let b = CUBE_POS_X as usize;
+    let split = cubes as usize;
+    let b = CUBE_POS_X as usize / split;
+    let part = CUBE_POS_X as usize % split;
     let unit = UNIT_POS_X as usize;
     let n = nodes as usize;
     let v = vocab as usize;
     let base = b * n;
     let width = N::value();
+    // This cube's share of every row, in vectors.
+    let lines = v / width;
+    let share = lines.div_ceil(split);
+    let lo = min(part * share, lines);
+    let hi = min(lo + share, lines);
+    // The request's exchange words (after one counter per request): one per pass and cube,
+    // each pass taking the next `split`.
+    let batch = CUBE_COUNT_X as usize / split;
+    let mut words = batch + base * split;
+    let mut cube_sums = SharedMemory::<f32>::new(MAX_SPLIT);
+    let mut last_out = SharedMemory::<u32>::new(1usize);
     // scales[j] = S_j, the scale subtracted at residual step j of the current node.
     let mut scales = SharedMemory::<f32>::new(MAX_NODES);
     let mut partials = SharedMemory::<f32>::new(units as usize);
@@ -130,14 +154,14 @@ pub fn verify_stochastic_kernel<N: Size>(
     let mut len = 0usize;
     let mut steps = 0usize;
     let mut total = 1.0f32;
-    // Whether group_sums hold the segment sums of the current residual.
+    // Whether group_sums and cube_sums hold the sums of the current residual.
     let mut sums_ready = false;
     for c in 1..n {
         if parent_of[c] as usize == cur {
             let q_x = child_q[c];
             let w_x = residual_at(child_p[c], q_x, &scales, steps);
             if child_u[c] * q_x < w_x / total {
-                if unit == 0 {
+                if unit == 0 && part == 0 {
                     accepted[base + len] = c as i32;
                 }
                 len += 1;
@@ -151,11 +175,11 @@ pub fn verify_stochastic_kernel<N: Size>(
                 }
                 sync_cube();
                 let row = (base + cur) * v;
-                let next = row_pass(
+                let own = row_pass(
                     target_vectors,
                     draft_vectors,
-                    row / width,
-                    v / width,
+                    row / width + lo,
+                    hi - lo,
                     &scales,
                     steps + 1,
                     &mut partials,
@@ -163,6 +187,8 @@ pub fn verify_stochastic_kernel<N: Size>(
                     unit,
                     units,
                 );
+                let next = share_sums(own, exchange, words, split, part, &mut cube_sums, unit);
+                words += split;
                 // A zero sum means r <= q everywhere with equal sums, so r == q: keep r
                 // (the reference's rule).
                 sums_ready = next > 0.0;
@@ -176,11 +202,11 @@ pub fn verify_stochastic_kernel<N: Size>(
 
     let row = (base + cur) * v;
     if !sums_ready {
-        total = row_pass(
+        let own = row_pass(
             target_vectors,
             draft_vectors,
-            row / width,
-            v / width,
+            row / width + lo,
+            hi - lo,
             &scales,
             steps,
             &mut partials,
@@ -188,31 +214,97 @@ pub fn verify_stochastic_kernel<N: Size>(
             unit,
             units,
         );
+        total = share_sums(own, exchange, words, split, part, &mut cube_sums, unit);
+        words += split;
     }
+    // The cube whose share holds the mass samples the bonus (the same rule as within a
+    // share: the first whose running sum exceeds it, else the last with any).
     let mass = uniforms[b * (n + 1) + n] * total;
-    let picked = sample(
-        target_vectors,
-        draft_vectors,
-        target_probs,
-        draft_probs,
-        row,
-        v / width,
-        mass,
-        &scales,
-        steps,
-        &mut partials,
-        &mut spans,
-        &mut group_sums,
-        unit,
-        units,
-    );
-    if unit == 0 {
+    let owner = pick(&cube_sums, 0, split, mass);
+    if part == owner {
+        let picked = sample(
+            target_vectors,
+            draft_vectors,
+            target_probs,
+            draft_probs,
+            row + lo * width,
+            hi - lo,
+            mass - prefix(&cube_sums, 0, owner),
+            &scales,
+            steps,
+            &mut partials,
+            &mut spans,
+            &mut group_sums,
+            unit,
+            units,
+        );
+        if unit == 0 {
+            bonus[b] = (lo * width + picked) as u32;
+        }
+    }
+    if unit == 0 && part == 0 {
         for i in len..n {
             accepted[base + i] = -1;
         }
         accept_len[b] = len as u32;
-        bonus[b] = picked as u32;
     }
+    if split > 1 {
+        // Every cube has read all the words it waits on; the last one out empties the
+        // request's words (and its counter, after them) for the next launch.
+        if unit == 0 {
+            let before = exchange[b].fetch_add(1);
+            last_out[0] = select(before == cubes - 1, 1u32, 0u32);
+        }
+        sync_cube();
+        if last_out[0] == 1 {
+            for i in range_stepped(batch + base * split + unit, words, units as usize) {
+                exchange[i].store(EMPTY);
+            }
+            if unit == 0 {
+                exchange[b].store(0);
+            }
+        }
+    }
+}
+
+/// The row's sum over every cube's share, the same in every cube: with one cube its own;
+/// otherwise each cube stores its share's sum in its word of `words..words + split` and
+/// reads the others' as they arrive. Leaves the shares' sums in `cube_sums`; ends with a
+/// barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn share_sums(
+    own: f32,
+    exchange: &mut Array<Atomic<u32>>,
+    words: usize,
+    split: usize,
+    part: usize,
+    cube_sums: &mut SharedMemory<f32>,
+    unit: usize,
+) -> f32 {
+    if split == 1 {
+        if unit == 0 {
+            cube_sums[0] = own;
+        }
+    } else {
+        if unit == 0 {
+            let bits = u32::reinterpret(own);
+            exchange[words + part].store(select(bits == EMPTY, 0x7fc0_0000u32, bits));
+        }
+        if unit < split {
+            let mut bits = exchange[words + unit].load();
+            while bits == EMPTY {
+                bits = exchange[words + unit].load();
+            }
+            cube_sums[unit] = f32::reinterpret(bits);
+        }
+    }
+    sync_cube();
+    let mut total = 0.0f32;
+    for i in 0..split {
+        total += cube_sums[i];
+    }
+    total
 }
 
 /// `w_steps` at one token from its target and draft probabilities.

@@ -15,9 +15,12 @@
 //!   The uniforms come from the caller, so runs are reproducible and comparable with
 //!   `kiln_reference::tree`.
 //!
-//! One cube per request (SGLang's verify_tree_greedy / tree_speculative_sampling follow the
-//! same split). The walk along the tree is sequential by nature; the vocabulary-wide work
-//! (residual updates, sampling) is spread over the cube's units.
+//! The greedy verifier takes one cube per request (SGLang's verify_tree_greedy does the
+//! same). The stochastic walk is sequential by nature, but its vocabulary-wide work
+//! (residual sums, sampling) is bandwidth: one cube streams a row at one SM's share of it,
+//! so where the device lets every cube be resident at once (CUDA: `batch * cubes` at most
+//! the SM count) a request's rows are split over several cubes that trade their sums
+//! (`kernel.rs`).
 mod kernel;
 
 use cubecl::prelude::*;
@@ -30,6 +33,10 @@ pub const MAX_NODES: usize = 256;
 /// Most units per cube of the stochastic verifier: 512 units with 4 + 4 vector loads each in
 /// flight (64 KB per SM) and registers to spare (1024 would cap them at 64 per unit).
 const STOCHASTIC_MAX_UNITS: usize = 512;
+/// Most cubes one request's rows are split over.
+const MAX_SPLIT: usize = 64;
+/// Fewest vectors in one cube's share of a row when the launcher picks the split.
+const MIN_SHARE: usize = 2048;
 
 /// A batch of token trees of `nodes` nodes each, on the device (`[batch, nodes]` arrays).
 pub struct TreeBatch {
@@ -39,11 +46,41 @@ pub struct TreeBatch {
     pub tokens: DeviceArray<u32>,
 }
 
-/// Where the verifiers write: `accepted` is `[batch, nodes]`, the others `[batch]`.
+/// Where the verifiers write: `accepted` is `[batch, nodes]`, the others `[batch]`; the
+/// stochastic verifier's cubes also trade sums through a private exchange area.
 pub struct Verdicts {
     pub accepted: DeviceArray<i32>,
     pub accept_len: DeviceArray<u32>,
     pub bonus: DeviceArray<u32>,
+    /// `batch` counters (zero) then `batch * nodes * max_split` words (empty); every launch
+    /// leaves them so.
+    exchange: DeviceArray<u32>,
+}
+
+impl Verdicts {
+    /// Buffers for `batch` trees of `nodes` nodes; the outputs hold `i32::MIN` / `u32::MAX`
+    /// until a verifier writes them.
+    pub fn new<R: Runtime>(client: &ComputeClient<R>, batch: usize, nodes: usize) -> Self {
+        let words = batch * nodes * max_split(client, batch);
+        let exchange: Vec<u32> = std::iter::repeat_n(0, batch)
+            .chain(std::iter::repeat_n(kernel::EMPTY, words))
+            .collect();
+        Self {
+            accepted: DeviceArray::filled(client, batch * nodes, i32::MIN),
+            accept_len: DeviceArray::filled(client, batch, u32::MAX),
+            bonus: DeviceArray::filled(client, batch, u32::MAX),
+            exchange: DeviceArray::upload(client, &exchange),
+        }
+    }
+}
+
+/// Most cubes per request that can all be resident at once: one cube per SM over the batch,
+/// on a device that reports its SM count; 1 elsewhere (wgpu gives no such guarantee).
+fn max_split<R: Runtime>(client: &ComputeClient<R>, batch: usize) -> usize {
+    match client.properties().hardware.num_streaming_multiprocessors {
+        Some(sms) => (sms as usize / batch.max(1)).clamp(1, MAX_SPLIT),
+        None => 1,
+    }
 }
 
 /// Greedy verification against the target's argmax at every node (`[batch, nodes]`).
@@ -77,6 +114,7 @@ pub fn verify_greedy<R: Runtime>(
 
 /// Stochastic verification. `target_probs` and `draft_probs` are `[batch, nodes, vocab]`
 /// (row `i`: the next-token distribution after node `i`), `uniforms` `[batch, nodes + 1]`.
+/// Each request's rows are split over [`stochastic_split`] cubes.
 pub fn verify_stochastic<R: Runtime>(
     client: &ComputeClient<R>,
     trees: &TreeBatch,
@@ -85,6 +123,45 @@ pub fn verify_stochastic<R: Runtime>(
     uniforms: &DeviceArray<f32>,
     vocab: usize,
     out: &Verdicts,
+) -> Result<(), KernelError> {
+    let cubes = stochastic_split(client, trees.batch, vocab);
+    verify_stochastic_split(
+        client,
+        trees,
+        target_probs,
+        draft_probs,
+        uniforms,
+        vocab,
+        out,
+        cubes,
+    )
+}
+
+/// Cubes per request [`verify_stochastic`] takes: as many as can be resident together, each
+/// share of a row at least [`MIN_SHARE`] vectors.
+pub fn stochastic_split<R: Runtime>(
+    client: &ComputeClient<R>,
+    batch: usize,
+    vocab: usize,
+) -> usize {
+    let vectors = vocab / vector_width(vocab);
+    max_split(client, batch).min(vectors / MIN_SHARE).max(1)
+}
+
+/// [`verify_stochastic`] with each request's rows split over `cubes` cubes (for tests and
+/// tuning). More than one needs a device that reports its SM count (CUDA) with `batch *
+/// cubes` at most that count, so that every cube is resident while the others wait on it,
+/// and at least one vector of the row per cube.
+#[allow(clippy::too_many_arguments)]
+pub fn verify_stochastic_split<R: Runtime>(
+    client: &ComputeClient<R>,
+    trees: &TreeBatch,
+    target_probs: &DeviceArray<f32>,
+    draft_probs: &DeviceArray<f32>,
+    uniforms: &DeviceArray<f32>,
+    vocab: usize,
+    out: &Verdicts,
+    cubes: usize,
 ) -> Result<(), KernelError> {
     validate(client, trees, out)?;
     if vocab == 0 || vocab > u32::MAX as usize {
@@ -101,16 +178,29 @@ pub fn verify_stochastic<R: Runtime>(
     check_len("uniforms", uniforms, trees.batch * (trees.nodes + 1))?;
     check_index_space("probabilities", rows * vocab)?;
     // Rows stream as 4-float vectors when they hold whole vectors.
-    let width = match vocab % 4 {
-        0 => 4,
-        _ => 1,
-    };
-    let units = stochastic_units(client, vocab / width);
-    // SAFETY: validated above; parents are trusted to satisfy parents[i] < i.
+    let width = vector_width(vocab);
+    let vectors = vocab / width;
+    let most = max_split(client, trees.batch).min(vectors);
+    if cubes == 0 || cubes > most {
+        return Err(KernelError::Range {
+            what: "cubes per request",
+            value: cubes,
+            min: 1,
+            max: most,
+        });
+    }
+    check_len(
+        "exchange (Verdicts::new for this batch and tree size)",
+        &out.exchange,
+        trees.batch + rows * max_split(client, trees.batch),
+    )?;
+    let units = stochastic_units(client, vectors.div_ceil(cubes));
+    // SAFETY: validated above; parents are trusted to satisfy parents[i] < i; all
+    // `batch * cubes` cubes fit on the device at once (one per SM) when `cubes > 1`.
     unsafe {
         kernel::verify_stochastic_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(trees.batch as u32, 1, 1),
+            CubeCount::Static((trees.batch * cubes) as u32, 1, 1),
             CubeDim::new_1d(units),
             width,
             trees.parents.arg(),
@@ -123,12 +213,22 @@ pub fn verify_stochastic<R: Runtime>(
             out.accepted.arg(),
             out.accept_len.arg(),
             out.bonus.arg(),
+            out.exchange.arg(),
             trees.nodes as u32,
             vocab as u32,
+            cubes as u32,
             units,
         )
     }
     Ok(())
+}
+
+/// Floats per vector the stochastic verifier streams: 4 when rows hold whole vectors.
+fn vector_width(vocab: usize) -> usize {
+    match vocab % 4 {
+        0 => 4,
+        _ => 1,
+    }
 }
 
 /// Units per stochastic cube: about eight vectors of a row each, a power of two from 32
