@@ -170,29 +170,32 @@ pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
     } else {
         m.div_ceil(8)
     };
-    // Two tiles per cube halve the activation work where N still gives >= 4 cubes per SM
-    // (and the accumulators of 2 tiles x groups fit the registers).
-    let tiles = if !grouped && groups <= 2 && row_tiles >= 8 * sms {
+    // Cube rows that work: 1 dense; grouped, one per run of rows of one expert (at most one
+    // per row and per expert with one group; the grid's rows with more).
+    let runs = match (grouped, groups) {
+        (false, _) => 1,
+        (true, 1) => m.min(experts.max(1)),
+        (true, _) => m.min(m.div_ceil(8 * groups) + experts),
+    };
+    // Two tiles per cube halve the activation work where the tiles still give >= 4 cubes
+    // per SM (and the accumulators of 2 tiles x groups fit the registers).
+    let tiles = if groups <= 2 && row_tiles * runs >= 8 * sms {
         2
     } else {
         1
     };
     let cubes = row_tiles.div_ceil(tiles);
     // The time is DRAM latency unless each SM has ~100 KB of loads in flight: ~32 warps per
-    // SM (dense layers with few row tiles split K over more warps per cube), each loading
-    // up to 4 KB of weights (all of its chunks where they fit) before decoding any. The
-    // warps' partial sums share 48 KB of shared memory (512 bytes per tile and group).
+    // SM (few working cubes split K over more warps per cube), each loading up to 4 KB of
+    // weights (all of its chunks where they fit) before decoding any. The warps' partial
+    // sums share 48 KB of shared memory (512 bytes per tile and group).
     let chunks = k / 64;
-    let warps = if grouped {
-        4
-    } else {
-        (32 * sms)
-            .div_ceil(cubes)
-            .next_power_of_two()
-            .clamp(2, 16)
-            .min(chunks.max(1))
-            .min(96 / (tiles * groups))
-    };
+    let warps = (32 * sms)
+        .div_ceil(cubes * runs)
+        .next_power_of_two()
+        .clamp(2, 16)
+        .min(chunks.max(1))
+        .min(96 / (tiles * groups));
     let max_depth = if nvfp4 { 8 / tiles } else { 4 / tiles };
     let depth = chunks.div_ceil(warps).clamp(1, max_depth);
     let cfg = GemvConfig {
@@ -204,9 +207,8 @@ pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
         grouped,
     };
     let y = match (grouped, groups) {
-        (false, _) => 1,
         (true, 1) => m,
-        (true, _) => m.min(m.div_ceil(8 * groups) + experts),
+        _ => runs,
     } as u32;
     let offsets = expert_offsets.unwrap_or(data);
     // SAFETY: validated shapes; the weight words bind every slot the format does not read.

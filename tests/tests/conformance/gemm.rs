@@ -267,6 +267,22 @@ fn kimi_decode_shapes<R: Runtime>(client: &ComputeClient<R>) {
     }
 }
 
+/// Enough weight tiles for the GEMV to give each cube two (dense, and grouped over 8 working
+/// experts, where the H200's 132 SMs x 8 cubes are reached), with an odd tile count so the
+/// last cube's second tile is past N; both weight formats.
+fn two_tile_cubes_match_the_reference<R: Runtime>(client: &ComputeClient<R>) {
+    let dense = GemmCase::dense(1, 16 * 1057, 64, 31);
+    let grouped = GemmCase::grouped(vec![1, 2, 1, 3, 1, 1, 2, 1], 16 * 133, 128, 32);
+    for case in [dense, grouped] {
+        for bf16 in [false, true] {
+            let case = with_bf16_weights(case.clone(), bf16);
+            run_gemm::<R, f32>(client, &case, false)
+                .unwrap()
+                .assert_passed();
+        }
+    }
+}
+
 /// The decode kernel at M = 1, 4, 16 (and 3, 9: token slots past M), odd N (a partial last
 /// cube), K with an odd number of 32-value vectors, both weight formats.
 fn skinny_decode_shapes_match_the_reference<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
@@ -420,6 +436,7 @@ kiln_backends::backend_tests! {
     grouped [f32, bf16],
     bf16_weights [f32, bf16],
     kimi_decode_shapes,
+    two_tile_cubes_match_the_reference,
     skinny_decode_shapes_match_the_reference [f32, bf16],
     tiled_shapes_match_the_reference [f32, bf16],
     tiled_weight_shapes [f32, bf16],
