@@ -26,7 +26,8 @@
 //! one cube per request (`1-cube us`), for the ratio from the same run. Targets (issue 6,
 //! at batch 64 and 64 nodes): greedy <= 10 us, stochastic <= 1.3x the floor.
 //!
-//! Prints a table and writes JSON to the path given as the first argument.
+//! Prints a table and writes JSON to the path given as the first argument; `OUT.json MODE
+//! BATCH NODES` (`greedy` or `stochastic`) runs that one point alone, e.g. for a profiler.
 
 #[cfg(feature = "cuda")]
 fn main() -> anyhow::Result<()> {
@@ -468,21 +469,37 @@ mod tree {
         let client = CudaRuntime::client(&CudaDevice::default());
         let timer = SpinTimer::new(&client, Duration::from_millis(3));
         let mut rng = Rng::new(20_260_606);
-        let mut rows = Vec::new();
-        for stochastic in [false, true] {
-            for batch in BATCHES {
-                for nodes in NODES {
-                    let row = measure(&client, &timer, &mut rng, batch, nodes, stochastic)?;
-                    eprintln!(
-                        "done {} B={batch} nodes={nodes}: {:.2} us",
-                        row.mode, row.us
-                    );
-                    rows.push(row);
-                }
+        let args: Vec<String> = std::env::args().collect();
+        // `OUT.json MODE BATCH NODES`: one point alone (for a profiler).
+        let points: Vec<(bool, usize, usize)> = match &args[..] {
+            [_, _, mode, batch, nodes] => {
+                let stochastic = match mode.as_str() {
+                    "greedy" => false,
+                    "stochastic" => true,
+                    other => anyhow::bail!("mode is greedy or stochastic, not {other:?}"),
+                };
+                vec![(stochastic, batch.parse()?, nodes.parse()?)]
             }
+            _ => [false, true]
+                .into_iter()
+                .flat_map(|s| {
+                    BATCHES
+                        .into_iter()
+                        .flat_map(move |b| NODES.map(|n| (s, b, n)))
+                })
+                .collect(),
+        };
+        let mut rows = Vec::new();
+        for (stochastic, batch, nodes) in points {
+            let row = measure(&client, &timer, &mut rng, batch, nodes, stochastic)?;
+            eprintln!(
+                "done {} B={batch} nodes={nodes}: {:.2} us",
+                row.mode, row.us
+            );
+            rows.push(row);
         }
         print_table(&rows);
-        if let Some(path) = std::env::args().nth(1) {
+        if let Some(path) = args.get(1) {
             std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
         }
         Ok(())
