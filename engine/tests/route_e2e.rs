@@ -88,7 +88,7 @@ impl Session {
         let messages = vec![json!({"role": "system", "content": agent_prompt()})];
         Session {
             id,
-            header: id % 2 == 0,
+            header: id.is_multiple_of(2),
             messages,
         }
     }

@@ -7,6 +7,7 @@
 //!   `q_abs . [c_kv | k_pe] = q_nope . k_nope + q_pe . k_pe` (DeepSeek-V2's absorption);
 //! - [`project_values`]: `o[t, h] = latent_out[t, h] W_UV_h`, turning the attention's
 //!   512-wide output back into the `v_head_dim` values `o_proj` expects.
+//!
 //! In f64, with `sum |a b|` magnitudes for the tolerance helper.
 
 /// The kv_b_proj weight and its split.

@@ -43,7 +43,7 @@ pub struct Nvfp4Matrix {
 
 /// Checks the shape and values of a matrix about to be quantized.
 fn check_input(w: &[f32], rows: usize, cols: usize) -> Result<(), FormatError> {
-    if cols % BLOCK != 0 {
+    if !cols.is_multiple_of(BLOCK) {
         return Err(FormatError::ColsNotMultipleOfBlock { cols, block: BLOCK });
     }
     if w.len() != rows * cols {

@@ -101,7 +101,7 @@ pub fn yarn_linear_ramp(low: f64, high: f64, i: usize) -> f64 {
 /// `extra * (1 - ramp) + (extra / factor) * ramp` with `extra = theta^(-2i/rope_dim)`.
 pub fn inv_freq(rope_dim: usize, cfg: &YarnConfig) -> Vec<f64> {
     assert!(
-        rope_dim % 2 == 0 && rope_dim > 0,
+        rope_dim.is_multiple_of(2) && rope_dim > 0,
         "rope_dim {rope_dim} must be even"
     );
     let (low, high) = yarn_find_correction_range(rope_dim, cfg);
@@ -164,7 +164,7 @@ fn rotate_rows<T: Copy + Into<f64>>(
     assert_eq!(x.len() % rope_dim, 0, "x is not made of rope_dim rows");
     let rows = x.len() / rope_dim;
     assert!(
-        !positions.is_empty() && rows % positions.len() == 0,
+        !positions.is_empty() && rows.is_multiple_of(positions.len()),
         "{rows} rows do not split evenly over {} tokens",
         positions.len()
     );

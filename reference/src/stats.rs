@@ -9,7 +9,7 @@
 /// Survival function `P(X >= x)` of chi-square with `dof` (even, > 0) degrees of freedom.
 pub fn chi_square_survival_even(x: f64, dof: usize) -> f64 {
     assert!(
-        dof % 2 == 0 && dof > 0,
+        dof.is_multiple_of(2) && dof > 0,
         "closed form needs an even dof, got {dof}"
     );
     let half = x / 2.0;
@@ -28,7 +28,7 @@ pub fn chi_square_survival_even(x: f64, dof: usize) -> f64 {
 /// [`chi_square_survival_even`]. Panics on odd or out-of-range `dof`.
 pub fn critical_value_p001(dof: usize) -> f64 {
     assert!(
-        dof % 2 == 0 && (2..=20).contains(&dof),
+        dof.is_multiple_of(2) && (2..=20).contains(&dof),
         "no critical value for {dof} dof"
     );
     let (mut lo, mut hi) = (0.0f64, 200.0f64);

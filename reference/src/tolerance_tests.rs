@@ -145,7 +145,7 @@ fn flash_attention_within_bound(block: usize, operand: fn(f32) -> f32, operands:
             DType::F32,
             DType::F32,
         );
-        allowed.extend(std::iter::repeat(bound).take(KV_LORA_RANK));
+        allowed.extend(std::iter::repeat_n(bound, KV_LORA_RANK));
     }
     let c = compare(&actual, &oracle.out, &allowed);
     assert!(c.passed(), "{c}");

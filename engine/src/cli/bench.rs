@@ -158,7 +158,11 @@ fn check(args: &BenchArgs) -> anyhow::Result<()> {
     if !(args.scale > 0.0 && args.scale <= 1.0) {
         bail!("--scale must be in (0, 1], got {}", args.scale);
     }
-    if !(args.think_scale >= 0.0) || args.gpus == 0 || args.max_token_id < 3 {
+    if args.think_scale.is_nan()
+        || args.think_scale < 0.0
+        || args.gpus == 0
+        || args.max_token_id < 3
+    {
         bail!("--think-scale must be >= 0, --gpus >= 1 and --max-token-id >= 3");
     }
     Ok(())

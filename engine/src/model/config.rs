@@ -257,7 +257,7 @@ fn check_consistency(c: &ModelConfig) -> Result<(), String> {
     if c.n_group == 0 {
         return Err("n_group must be at least 1".into());
     }
-    if c.n_routed_experts % c.n_group != 0 {
+    if !c.n_routed_experts.is_multiple_of(c.n_group) {
         return Err(format!(
             "n_routed_experts {} is not a multiple of n_group {}",
             c.n_routed_experts, c.n_group
@@ -266,7 +266,7 @@ fn check_consistency(c: &ModelConfig) -> Result<(), String> {
     if c.topk_group > c.n_group || c.num_experts_per_tok > c.n_routed_experts {
         return Err("topk_group > n_group or num_experts_per_tok > n_routed_experts".into());
     }
-    if c.qk_rope_head_dim % 2 != 0 {
+    if !c.qk_rope_head_dim.is_multiple_of(2) {
         return Err(format!(
             "qk_rope_head_dim {} must be even",
             c.qk_rope_head_dim

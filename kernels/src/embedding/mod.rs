@@ -28,7 +28,7 @@ pub fn embedding<R: Runtime>(
     tokens: &DeviceArray<u32>,
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
-    if hidden % 2 != 0 {
+    if !hidden.is_multiple_of(2) {
         return Err(KernelError::Alignment {
             what: "hidden (bf16 table)",
             value: hidden,

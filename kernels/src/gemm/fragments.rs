@@ -295,7 +295,7 @@ pub fn scale_pair(word: u32, #[comptime] byte: u32) -> u32 {
 }
 
 /// `2^-112`: a fragment scale's bf16 value times this is the E4M3 scale.
-pub const TWO_POW_MINUS_112: f32 = 1.925_929_9e-34;
+pub const TWO_POW_MINUS_112: f32 = f32::from_bits((127 - 112) << 23);
 
 #[cfg(test)]
 mod tests {

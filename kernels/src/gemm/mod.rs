@@ -325,7 +325,7 @@ fn gemm_path<R: Runtime>(
 /// `k % 64 == 0` on a device with bf16 `mma.sync m16n8k16`, `ldmatrix` and plane sums.
 /// That path rounds the activations to bf16 (see `mma.rs`).
 fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, k: usize) -> bool {
-    k % mma::BK as usize == 0 && crate::tensor_cores::has_bf16_mma(client)
+    k.is_multiple_of(mma::BK as usize) && crate::tensor_cores::has_bf16_mma(client)
 }
 
 /// The weight operand of the tiled, GEMV and skinny launches.
@@ -462,7 +462,7 @@ pub fn takes_skinny(m: usize, k: usize, format: WeightFormat) -> bool {
         WeightFormat::Nvfp4 => 32,
         WeightFormat::Bf16 => 8,
     };
-    m <= SKINNY_MAX_M && k % vector_elems == 0
+    m <= SKINNY_MAX_M && k.is_multiple_of(vector_elems)
 }
 
 /// True when a grouped (MoE) GEMM takes the skinny kernel: decode-sized (`M <= 1024` rows:

@@ -43,7 +43,7 @@ fn range_error(what: &'static str, value: usize) -> KernelError {
 impl Nvfp4Weights {
     /// Checks the weights' buffers against their declared shape.
     pub fn validate(&self) -> Result<(), KernelError> {
-        if self.k == 0 || self.k % BLOCK != 0 {
+        if self.k == 0 || !self.k.is_multiple_of(BLOCK) {
             return Err(KernelError::Alignment {
                 what: "K",
                 value: self.k,
@@ -161,7 +161,7 @@ pub fn nvfp4_layout<R: Runtime>(
 impl Bf16Weights {
     /// Checks the buffer against the declared shape (K even: rows start on a word).
     pub fn validate(&self) -> Result<(), KernelError> {
-        if self.k == 0 || self.k % 2 != 0 {
+        if self.k == 0 || !self.k.is_multiple_of(2) {
             return Err(KernelError::Alignment {
                 what: "K (bf16 weights)",
                 value: self.k,

@@ -3,6 +3,7 @@
 //!   absorbed queries (`q_nope W_UK_h` then the roped `q_pe`), ready for [`super::mla_decode`];
 //! - [`project_values`]: the attention's `[tokens, heads, 512]` latent output ->
 //!   `[tokens, heads, v]` values (`W_UV_h`), the input of `o_proj`.
+//!
 //! `kv_b_proj.weight` stays in bf16 as loaded (`[heads * (nope + v), 512]`, two values per
 //! word). One unit per output element: the correct-first form.
 use cubecl::prelude::*;

@@ -47,7 +47,7 @@ pub fn combine<R: Runtime>(
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
     let pairs = slot.len();
-    if tokens == 0 || pairs % tokens != 0 {
+    if tokens == 0 || !pairs.is_multiple_of(tokens) {
         return Err(KernelError::Alignment {
             what: "slots per token",
             value: pairs,

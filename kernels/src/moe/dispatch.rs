@@ -85,7 +85,7 @@ pub fn dispatch<R: Runtime>(
             max: MAX_EXPERTS,
         });
     }
-    if top_k == 0 || experts.len() % top_k != 0 {
+    if top_k == 0 || !experts.len().is_multiple_of(top_k) {
         return Err(KernelError::Alignment {
             what: "routed pairs",
             value: experts.len(),
@@ -134,7 +134,7 @@ pub fn gather_rows<R: Runtime>(
     source: &DeviceArray<u32>,
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
-    if cols == 0 || x.len() % cols != 0 {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(KernelError::Alignment {
             what: "rows of x",
             value: x.len(),

@@ -141,7 +141,7 @@ pub fn route<R: Runtime>(
             max: MAX_EXPERTS,
         });
     }
-    if p.n_group == 0 || p.n_group > 64 || e % p.n_group != 0 || e / p.n_group < 2 {
+    if p.n_group == 0 || p.n_group > 64 || !e.is_multiple_of(p.n_group) || e / p.n_group < 2 {
         return Err(KernelError::Range {
             what: "n_group (divides experts, >= 2 per group)",
             value: p.n_group,

@@ -63,7 +63,7 @@ pub fn rope_inplace<R: Runtime>(
     scale: f32,
 ) -> Result<(), KernelError> {
     let l = layout;
-    if l.rope_dim % 2 != 0 || l.offset + l.rope_dim > l.row_stride {
+    if !l.rope_dim.is_multiple_of(2) || l.offset + l.rope_dim > l.row_stride {
         return Err(KernelError::Range {
             what: "rope dims (even, inside the row)",
             value: l.offset + l.rope_dim,

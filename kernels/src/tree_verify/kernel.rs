@@ -1,4 +1,4 @@
-//! The cube kernels: one cube per request.
+//! The cube kernels: greedy, one cube per request; stochastic, one or more (below).
 //!
 //! The stochastic kernel streams a whole vocabulary row only when a rejection needs a new
 //! residual (and once more for the bonus when the walk ends on a node without rejections),

@@ -128,7 +128,7 @@ fn sub_matrix(
             shape,
         }),
         LoadedWeight::Nvfp4(m) => {
-            if cols.start % BLOCK != 0 || cols.end % BLOCK != 0 {
+            if !cols.start.is_multiple_of(BLOCK) || !cols.end.is_multiple_of(BLOCK) {
                 return Err(SliceError::UnalignedNvfp4 {
                     start: cols.start,
                     end: cols.end,
@@ -181,7 +181,7 @@ fn part(
     rank: usize,
     ranks: usize,
 ) -> Result<Range<usize>, SliceError> {
-    if ranks == 0 || len % ranks != 0 {
+    if ranks == 0 || !len.is_multiple_of(ranks) {
         return Err(SliceError::Uneven { axis, len, ranks });
     }
     let size = len / ranks;
@@ -211,7 +211,7 @@ pub fn slice(
 /// (a tied one is sliced from the embedding like an untied one).
 pub fn rank_config(c: &ModelConfig, ranks: usize) -> Result<ModelConfig, TpError> {
     let share = |what: &'static str, value: usize| {
-        if ranks > 0 && value % ranks == 0 {
+        if ranks > 0 && value.is_multiple_of(ranks) {
             Ok(value / ranks)
         } else {
             Err(TpError::Indivisible { what, value, ranks })
