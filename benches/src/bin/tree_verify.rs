@@ -21,10 +21,11 @@
 //! was rejected (a leaf), its target row (the bonus is sampled from it); plus the tree, the
 //! uniforms and the outputs. Greedy: the tree, the argmax ids and the outputs. The stochastic
 //! kernel splits a request's rows over `cubes` cubes (`stochastic_split`: one per SM over the
-//! batch); `max req MB` (the most bytes one request needs) over that many SMs' bandwidth
-//! bounds its time however wide the batch. Where it splits, the same launches also run on
-//! one cube per request (`1-cube us`), for the ratio from the same run. Targets (issue 6,
-//! at batch 64 and 64 nodes): greedy <= 10 us, stochastic <= 1.3x the floor.
+//! batch); `maxreqRd` (the most bytes one request's walk streams, MB) over that many SMs'
+//! bandwidth bounds its time however wide the batch (`maxreqMB`: the most it needs). Where
+//! it splits, the same launches also run on one cube per request (`1-cube us`), for the
+//! ratio from the same run. Targets (issue 6, at batch 64 and 64 nodes): greedy <= 10 us,
+//! stochastic <= 1.3x the floor.
 //!
 //! Prints a table and writes JSON to the path given as the first argument; `OUT.json MODE
 //! BATCH NODES` (`greedy` or `stochastic`) runs that one point alone, e.g. for a profiler.
@@ -91,6 +92,9 @@ mod tree {
         mean_rejections: f64,
         /// The most row bytes one request needs (stochastic).
         max_request_bytes: f64,
+        /// The most row bytes one request's walk streams (stochastic): with the split, its
+        /// cubes' share of this is the critical path.
+        max_request_streamed_bytes: f64,
         copies: usize,
         launches: usize,
     }
@@ -279,6 +283,7 @@ mod tree {
         floor_bytes: f64,
         streamed_bytes: f64,
         max_request_bytes: f64,
+        max_request_streamed_bytes: f64,
         mean_accept_len: f64,
         mean_rejections: f64,
     }
@@ -293,8 +298,8 @@ mod tree {
             cells * 4.0
         };
         let row = (VOCAB * 4) as f64;
-        let (mut needed, mut streamed, mut max_request, mut accepted, mut rejections) =
-            (0.0, 0.0, 0.0f64, 0.0, 0.0);
+        let (mut needed, mut streamed, mut accepted, mut rejections) = (0.0, 0.0, 0.0, 0.0);
+        let (mut max_request, mut max_streamed) = (0.0f64, 0.0f64);
         for (tree, v) in p.trees.iter().zip(verdicts) {
             accepted += v.accepted.len() as f64;
             if stochastic {
@@ -302,6 +307,7 @@ mod tree {
                 needed += n as f64 * row;
                 streamed += s as f64 * row;
                 max_request = max_request.max(n as f64 * row);
+                max_streamed = max_streamed.max(s as f64 * row);
                 rejections += r as f64;
             }
         }
@@ -310,6 +316,7 @@ mod tree {
             floor_bytes: small + needed,
             streamed_bytes: small + streamed,
             max_request_bytes: max_request,
+            max_request_streamed_bytes: max_streamed,
             mean_accept_len: accepted / b,
             mean_rejections: rejections / b,
         }
@@ -460,6 +467,7 @@ mod tree {
             mean_accept_len: w.mean_accept_len,
             mean_rejections: w.mean_rejections,
             max_request_bytes: w.max_request_bytes,
+            max_request_streamed_bytes: w.max_request_streamed_bytes,
             copies: copies.len().max(1),
             launches,
         })
@@ -507,7 +515,7 @@ mod tree {
 
     fn print_table(rows: &[Row]) {
         println!(
-            "{:<10} {:>3} {:>5} {:>9} {:>5} {:>9} {:>9} {:>7} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8}",
+            "{:<10} {:>3} {:>5} {:>9} {:>5} {:>9} {:>9} {:>7} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8}",
             "mode",
             "B",
             "nodes",
@@ -521,7 +529,8 @@ mod tree {
             "reject",
             "floor MB",
             "read MB",
-            "maxreqMB"
+            "maxreqMB",
+            "maxreqRd"
         );
         for r in rows {
             let target = match r.meets_target {
@@ -530,7 +539,7 @@ mod tree {
                 None => "-",
             };
             println!(
-                "{:<10} {:>3} {:>5} {:>9.2} {:>5} {:>9} {:>9.3} {:>7.2} {:>6} {:>6.2} {:>6.2} {:>8.2} {:>8.2} {:>8.2}",
+                "{:<10} {:>3} {:>5} {:>9.2} {:>5} {:>9} {:>9.3} {:>7.2} {:>6} {:>6.2} {:>6.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
                 r.mode,
                 r.batch,
                 r.nodes,
@@ -544,7 +553,8 @@ mod tree {
                 r.mean_rejections,
                 r.floor_bytes / 1e6,
                 r.streamed_bytes / 1e6,
-                r.max_request_bytes / 1e6
+                r.max_request_bytes / 1e6,
+                r.max_request_streamed_bytes / 1e6
             );
         }
     }
