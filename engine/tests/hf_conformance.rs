@@ -20,7 +20,7 @@
 //! effect on it (the reference with fp8 storage against exact storage), checked where no
 //! expert routing can flip (see `served_fp8_cache_tracks_the_reference_before_routing`).
 use cubecl::prelude::*;
-use kiln::model::gpu::{Batch, GpuModel, ModelError, RequestSlice};
+use kiln::model::gpu::{Batch, GpuModel, KvPool, ModelError, RequestSlice};
 use kiln_kernels::mla::KvFormat;
 use kiln_kernels::Precision;
 use std::path::{Path, PathBuf};
@@ -166,17 +166,27 @@ fn bound(precision: Precision) -> f64 {
     }
 }
 
-/// The whole sequence as one prefill, pages handed out in reverse so the block table matters.
-fn prefill<R: Runtime>(model: &GpuModel<R>, tokens: &[u32], kv: KvFormat) -> Vec<f64> {
+/// The whole sequence as one request over a fresh pool of 4-row pages, handed out in
+/// reverse so the block table matters.
+fn whole_sequence<R: Runtime>(
+    model: &GpuModel<R>,
+    tokens: &[u32],
+    kv: KvFormat,
+) -> (Batch, KvPool) {
     let page = 4;
     let pages = tokens.len().div_ceil(page);
     let pool = model.kv_pool(pages + 2, page, kv);
-    let table: Vec<u32> = (0..pages as u32).rev().map(|p| p + 1).collect();
     let batch = Batch::new(vec![RequestSlice {
         tokens: tokens.to_vec(),
         kv_len: tokens.len(),
-        block_table: table,
+        block_table: (0..pages as u32).rev().map(|p| p + 1).collect(),
     }]);
+    (batch, pool)
+}
+
+/// The logits of the whole sequence as one prefill ([`whole_sequence`]).
+fn prefill<R: Runtime>(model: &GpuModel<R>, tokens: &[u32], kv: KvFormat) -> Vec<f64> {
+    let (batch, pool) = whole_sequence(model, tokens, kv);
     model
         .forward(&batch, &pool)
         .unwrap()
@@ -334,13 +344,7 @@ fn served_fp8_cache_tracks_the_reference_before_routing<R: Runtime>(
         })
         .collect();
     let want: Vec<f32> = want.iter().map(|&x| x as f32).collect();
-    let (page, pages) = (4, tokens.len().div_ceil(4));
-    let pool = model.kv_pool(pages + 2, page, KvFormat::Fp8);
-    let mut batch = Batch::new(vec![RequestSlice {
-        tokens: tokens.clone(),
-        kv_len: tokens.len(),
-        block_table: (0..pages as u32).rev().map(|p| p + 1).collect(),
-    }]);
+    let (mut batch, pool) = whole_sequence(&model, &tokens, KvFormat::Fp8);
     batch.capture = vec![0];
     let out = model.step(&batch, &pool).unwrap();
     let got: Vec<f64> = out.hidden[0].1.iter().map(|&x| x as f64).collect();

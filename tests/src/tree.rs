@@ -108,17 +108,17 @@ pub fn run_tree<R: Runtime>(
     };
     let out = Verdicts::new(client, case.batch, n);
     let (argmax, target, draft, uniforms);
+    let cubes = case
+        .cubes
+        .unwrap_or_else(|| tree_verify::stochastic_split(client, case.batch, v));
     let launch: Box<dyn Fn() -> Result<(), KernelError>> = if case.stochastic {
         target = DeviceArray::upload(client, &inputs.target);
         draft = DeviceArray::upload(client, &inputs.draft);
         uniforms = DeviceArray::upload(client, &inputs.uniforms);
-        Box::new(|| match case.cubes {
-            None => {
-                tree_verify::verify_stochastic(client, &trees, &target, &draft, &uniforms, v, &out)
-            }
-            Some(cubes) => tree_verify::verify_stochastic_split(
+        Box::new(|| {
+            tree_verify::verify_stochastic_split(
                 client, &trees, &target, &draft, &uniforms, v, &out, cubes,
-            ),
+            )
         })
     } else {
         argmax = DeviceArray::upload(client, &inputs.argmax);
