@@ -5,13 +5,18 @@
 //!   `[tokens, heads, v]` values (`W_UV_h`), the input of `o_proj`.
 //!
 //! `kv_b_proj.weight` stays in bf16 as loaded (`[heads * (nope + v), 512]`, two values per
-//! word). One unit per output element: the correct-first form.
+//! word). With [`Precision::Bf16`] on a device with bf16 tensor cores (and `nope % 16 == 0`)
+//! both run as per-head tensor-core products (`absorb_mma.rs`, activations rounded to bf16);
+//! elsewhere one unit computes one output element in f32 (the correct-first form, which at
+//! an 8k-token prefill took 139 ms per Kimi layer for the values alone: `benches/RESULTS.md`).
 use cubecl::prelude::*;
 
+use super::absorb_mma::{self, head_product_kernel};
 use super::{KV_DIM, V_DIM};
-use crate::buffer::check_len;
+use crate::buffer::{check_index_space, check_len};
 use crate::formats::{bf16_to_f32, half_at};
-use crate::{DeviceArray, KernelError};
+use crate::tensor_cores::has_bf16_mma;
+use crate::{DeviceArray, KernelError, Precision};
 
 const UNITS: u32 = 64;
 
@@ -81,6 +86,7 @@ fn validate<R: Runtime>(
         kv_b,
         s.heads * (s.nope + s.v) * V_DIM / 2,
     )?;
+    check_index_space("absorbed query elements", rows * KV_DIM)?;
     let max = client.properties().hardware.max_cube_count.0 as usize;
     if rows == 0 || rows > max {
         return Err(KernelError::Range {
@@ -90,7 +96,57 @@ fn validate<R: Runtime>(
             max,
         });
     }
+    if s.heads > 65_535 {
+        return Err(KernelError::Range {
+            what: "heads (a grid axis)",
+            value: s.heads,
+            min: 1,
+            max: 65_535,
+        });
+    }
     Ok(())
+}
+
+/// True when [`absorb_query`] and [`project_values`] run on the tensor cores.
+pub fn absorbs_on_tensor_cores<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: KvBShape,
+    precision: Precision,
+) -> bool {
+    precision == Precision::Bf16 && shape.nope.is_multiple_of(16) && has_bf16_mma(client)
+}
+
+/// Launches the tensor-core product (`absorb`: N = 512, else N = v). Trusts validated shapes.
+fn launch_mma<R: Runtime>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<f32>,
+    tokens: usize,
+    kv_b: &DeviceArray<u32>,
+    shape: KvBShape,
+    out: &DeviceArray<f32>,
+    absorb: bool,
+) {
+    let n = if absorb { V_DIM } else { shape.v };
+    // SAFETY: validated shapes; `nope % 16 == 0` keeps every vector load aligned and whole.
+    unsafe {
+        head_product_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(
+                (tokens as u32).div_ceil(64),
+                n.div_ceil(absorb_mma::BN) as u32,
+                shape.heads as u32,
+            ),
+            CubeDim::new_1d(absorb_mma::UNITS),
+            a.arg(),
+            kv_b.arg(),
+            out.arg(),
+            tokens as u32,
+            shape.heads as u32,
+            shape.nope as u32,
+            shape.v as u32,
+            absorb,
+        )
+    }
 }
 
 /// `q` `[tokens, heads, nope + 64]` -> `out` `[tokens, heads, 576]`.
@@ -101,11 +157,16 @@ pub fn absorb_query<R: Runtime>(
     kv_b: &DeviceArray<u32>,
     shape: KvBShape,
     out: &DeviceArray<f32>,
+    precision: Precision,
 ) -> Result<(), KernelError> {
     let rows = tokens * shape.heads;
     validate(client, rows, kv_b, shape)?;
     check_len("queries", q, rows * (shape.nope + KV_DIM - V_DIM))?;
     check_len("absorbed queries", out, rows * KV_DIM)?;
+    if absorbs_on_tensor_cores(client, shape, precision) {
+        launch_mma(client, q, tokens, kv_b, shape, out, true);
+        return Ok(());
+    }
     // SAFETY: shapes validated above.
     unsafe {
         absorb_query_kernel::launch_unchecked::<R>(
@@ -131,11 +192,16 @@ pub fn project_values<R: Runtime>(
     kv_b: &DeviceArray<u32>,
     shape: KvBShape,
     out: &DeviceArray<f32>,
+    precision: Precision,
 ) -> Result<(), KernelError> {
     let rows = tokens * shape.heads;
     validate(client, rows, kv_b, shape)?;
     check_len("attention output", latent, rows * V_DIM)?;
     check_len("values", out, rows * shape.v)?;
+    if absorbs_on_tensor_cores(client, shape, precision) {
+        launch_mma(client, latent, tokens, kv_b, shape, out, false);
+        return Ok(());
+    }
     // SAFETY: shapes validated above.
     unsafe {
         project_values_kernel::launch_unchecked::<R>(

@@ -20,13 +20,14 @@
 //! [`write_kv`] appends new tokens' rows to the cache in either format; [`absorb_query`]
 //! and [`project_values`] are the per-head products around the attention.
 mod absorb;
+mod absorb_mma;
 mod cache_write;
 mod kernel;
 mod mma;
 
 use cubecl::prelude::*;
 
-pub use absorb::{absorb_query, project_values, KvBShape};
+pub use absorb::{absorb_query, absorbs_on_tensor_cores, project_values, KvBShape};
 pub use cache_write::write_kv;
 
 use crate::buffer::{check_index_space, check_len};

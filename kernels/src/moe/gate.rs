@@ -6,8 +6,10 @@
 //! weighted by their unbiased scores, normalised to sum 1 (+1e-20) when `norm_topk_prob`,
 //! times `routed_scaling_factor`. Oracle: `kiln_reference::moe_gate::route`.
 //!
-//! One cube per token: units compute the scores into shared memory, one unit selects
-//! (k <= 16 passes over <= 512 experts: negligible next to the expert GEMMs).
+//! One cube per token: units compute the scores and the group scores into shared memory, and
+//! each of the `k` picks is a cube-wide argmax (every unit scans its strided experts, then a
+//! tree over the units). A single unit walking `k` passes over 384 experts took 36 us per
+//! token on the H200, 8% of a Kimi layer's decode step (`benches/RESULTS.md`).
 use cubecl::prelude::*;
 
 use crate::buffer::check_len;
@@ -16,6 +18,8 @@ use crate::{DeviceArray, KernelError};
 /// Most routed experts the router takes (Kimi K2 has 384).
 pub const MAX_EXPERTS: usize = 512;
 const MAX_TOP_K: usize = 16;
+/// Most expert groups the router takes.
+const MAX_GROUPS: usize = 64;
 const UNITS: u32 = 64;
 
 /// Router hyper-parameters, as the HF config names them.
@@ -52,37 +56,45 @@ fn route_kernel(
     let t = CUBE_POS_X as usize;
     let unit = UNIT_POS_X as usize;
     let e_count = n_experts as usize;
+    let groups = n_group as usize;
+    let per_group = e_count / groups;
     let mut scores = SharedMemory::<f32>::new(MAX_EXPERTS);
     let mut choice = SharedMemory::<f32>::new(MAX_EXPERTS);
+    let mut group_score = SharedMemory::<f32>::new(MAX_GROUPS);
+    let mut kept = SharedMemory::<u32>::new(MAX_GROUPS);
+    let mut best_value = SharedMemory::<f32>::new(UNITS as usize);
+    let mut best_index = SharedMemory::<u32>::new(UNITS as usize);
+    let mut picked = SharedMemory::<u32>::new(MAX_TOP_K);
     for e in range_stepped(unit, e_count, UNITS as usize) {
         let s = 1.0 / (1.0 + (-logits[t * e_count + e]).exp());
         scores[e] = s;
         choice[e] = s + bias[e];
     }
     sync_cube();
-    if unit == 0 {
-        let per_group = e_count / n_group as usize;
-        // Keep the topk_group best groups (by the sum of their two best choices).
-        let mut kept = Array::<u32>::new(64usize);
-        for g in 0..n_group as usize {
-            kept[g] = 0;
+    // A group's score: the sum of its two best choices.
+    for g in range_stepped(unit, groups, UNITS as usize) {
+        let (mut a, mut b) = (f32::new(-3.0e38), f32::new(-3.0e38));
+        for i in 0..per_group {
+            let c = choice[g * per_group + i];
+            if c > a {
+                b = a;
+                a = c;
+            } else if c > b {
+                b = c;
+            }
         }
+        group_score[g] = a + b;
+        kept[g] = 0;
+    }
+    sync_cube();
+    if unit == 0 {
+        // Keep the topk_group best groups (at most 64 x 64 reads; Kimi K2 has one group).
         for _pass in 0..topk_group {
             let mut best_g = 0usize;
             let mut best = f32::new(-3.0e38);
             let mut found = false;
-            for g in 0..n_group as usize {
-                let (mut a, mut b) = (f32::new(-3.0e38), f32::new(-3.0e38));
-                for i in 0..per_group {
-                    let c = choice[g * per_group + i];
-                    if c > a {
-                        b = a;
-                        a = c;
-                    } else if c > b {
-                        b = c;
-                    }
-                }
-                let score = a + b;
+            for g in 0..groups {
+                let score = group_score[g];
                 if kept[g] == 0 && (!found || score > best) {
                     best = score;
                     best_g = g;
@@ -91,27 +103,53 @@ fn route_kernel(
             }
             kept[best_g] = 1;
         }
-        for e in 0..e_count {
-            if kept[e / per_group] == 0 {
-                choice[e] = f32::new(-3.0e38);
+    }
+    sync_cube();
+    for e in range_stepped(unit, e_count, UNITS as usize) {
+        if kept[e / per_group] == 0 {
+            choice[e] = f32::new(-3.0e38);
+        }
+    }
+    sync_cube();
+    // Top-k by choice, ties to the lower index; taken ones are marked below even the masked
+    // ones (k never exceeds the kept experts, checked at launch).
+    for j in 0..top_k as usize {
+        // This unit's best (ascending scan, strict: the lowest index among equals).
+        let mut best = f32::new(-3.0e38);
+        let mut best_e = 0u32;
+        for e in range_stepped(unit, e_count, UNITS as usize) {
+            if choice[e] > best {
+                best = choice[e];
+                best_e = e as u32;
             }
         }
-        // Top-k by choice, ties to the lower index; taken ones are marked below even the
-        // masked ones (k never exceeds the kept experts, checked at launch).
-        let mut picked = Array::<u32>::new(MAX_TOP_K);
-        let mut sum = 0.0f32;
-        for j in 0..top_k as usize {
-            let mut best_e = 0usize;
-            let mut best = f32::new(-3.0e38);
-            for e in 0..e_count {
-                if choice[e] > best {
-                    best = choice[e];
-                    best_e = e;
+        best_value[unit] = best;
+        best_index[unit] = best_e;
+        sync_cube();
+        let levels = comptime!(UNITS.trailing_zeros());
+        for level in 0..levels {
+            let half = (UNITS as usize) >> (level + 1) as usize;
+            if unit < half {
+                let (v, i) = (best_value[unit + half], best_index[unit + half]);
+                let (w, k) = (best_value[unit], best_index[unit]);
+                if v > w || (v == w && i < k) {
+                    best_value[unit] = v;
+                    best_index[unit] = i;
                 }
             }
-            choice[best_e] = f32::new(-3.4e38);
-            picked[j] = best_e as u32;
-            sum += scores[best_e];
+            sync_cube();
+        }
+        if unit == 0 {
+            let e = best_index[0];
+            choice[e as usize] = f32::new(-3.4e38);
+            picked[j] = e;
+        }
+        sync_cube();
+    }
+    if unit == 0 {
+        let mut sum = 0.0f32;
+        for j in 0..top_k as usize {
+            sum += scores[picked[j] as usize];
         }
         let denom = select(norm == 1, sum + 1e-20, 1.0);
         for j in 0..top_k as usize {
@@ -141,12 +179,12 @@ pub fn route<R: Runtime>(
             max: MAX_EXPERTS,
         });
     }
-    if p.n_group == 0 || p.n_group > 64 || !e.is_multiple_of(p.n_group) || e / p.n_group < 2 {
+    if p.n_group == 0 || p.n_group > MAX_GROUPS || !e.is_multiple_of(p.n_group) || e / p.n_group < 2 {
         return Err(KernelError::Range {
             what: "n_group (divides experts, >= 2 per group)",
             value: p.n_group,
             min: 1,
-            max: 64,
+            max: MAX_GROUPS,
         });
     }
     if p.topk_group == 0 || p.topk_group > p.n_group {

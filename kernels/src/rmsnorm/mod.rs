@@ -5,46 +5,59 @@
 //! copies the rest (MLA's compressed KV row: the 512 latent values are normalised, the 64
 //! rope values are not).
 //! Oracle: `kiln_reference::norm::rmsnorm`. One cube per row, a shared-memory reduction of
-//! the sum of squares (no subgroup operations, so it runs on llvmpipe too).
+//! the sum of squares (no subgroup operations, so it runs on llvmpipe too). Rows of whole
+//! 4-float vectors move as vectors, and a cube has as many units as the row has vectors (up
+//! to the device's limit, at most 1024): a decode step normalises one row per token, so the
+//! kernel's time is the number of dependent memory round trips each unit makes (with 128
+//! scalar units, a 7168-wide row took 46 us on the H200; `benches/RESULTS.md`).
 use cubecl::prelude::*;
 
 use crate::buffer::{check_index_space, check_len};
 use crate::reduce::cube_sum;
 use crate::{DeviceArray, KernelError};
 
-const UNITS: u32 = 128;
+/// The most units a cube takes.
+const MAX_UNITS: usize = 1024;
 
 #[cube(launch_unchecked)]
-fn rmsnorm_kernel(
-    residual: &mut Array<f32>,
-    delta: &Array<f32>,
-    weight: &Array<f32>,
-    out: &mut Array<f32>,
+#[allow(clippy::too_many_arguments)]
+fn rmsnorm_kernel<N: Size>(
+    residual: &mut Array<Vector<f32, N>>,
+    delta: &Array<Vector<f32, N>>,
+    weight: &Array<Vector<f32, N>>,
+    out: &mut Array<Vector<f32, N>>,
     cols: u32,
     stride: u32,
     eps: f32,
+    #[comptime] units: u32,
     #[comptime] fused_add: bool,
 ) {
+    let width = N::value();
     let row = CUBE_POS_X as usize;
     let unit = UNIT_POS_X as usize;
-    let n = cols as usize;
-    let base = row * stride as usize;
-    let mut partials = SharedMemory::<f32>::new(UNITS as usize);
+    // In vectors.
+    let n = cols as usize / width;
+    let row_len = stride as usize / width;
+    let base = row * row_len;
+    let mut partials = SharedMemory::<f32>::new(units as usize);
     let mut sum = 0.0f32;
-    for c in range_stepped(unit, n, UNITS as usize) {
+    for c in range_stepped(unit, n, units as usize) {
         let mut v = residual[base + c];
         if fused_add {
             v += delta[base + c];
             residual[base + c] = v;
         }
-        sum += v * v;
+        #[unroll]
+        for e in 0..width {
+            sum += v[e] * v[e];
+        }
     }
-    let total = cube_sum(sum, &mut partials, unit, UNITS);
-    let inv = 1.0 / (total / f32::cast_from(cols) + eps).sqrt();
-    for c in range_stepped(unit, n, UNITS as usize) {
+    let total = cube_sum(sum, &mut partials, unit, units);
+    let inv = Vector::new(1.0 / (total / f32::cast_from(cols) + eps).sqrt());
+    for c in range_stepped(unit, n, units as usize) {
         out[base + c] = residual[base + c] * inv * weight[c];
     }
-    for c in range_stepped(n + unit, stride as usize, UNITS as usize) {
+    for c in range_stepped(n + unit, row_len, units as usize) {
         out[base + c] = residual[base + c];
     }
 }
@@ -159,11 +172,23 @@ unsafe fn launch<R: Runtime>(
     out: &DeviceArray<f32>,
     fused_add: bool,
 ) {
+    // Whole vectors when the row and its normalised prefix are multiples of 4 floats.
+    let width = if stride.is_multiple_of(4) && weight.len().is_multiple_of(4) {
+        4
+    } else {
+        1
+    };
+    let vectors = weight.len() / width;
+    let hw = client.properties().hardware.max_units_per_cube as usize;
+    let units = vectors
+        .next_power_of_two()
+        .clamp(32, MAX_UNITS.min(1 << hw.max(32).ilog2())) as u32;
     unsafe {
         rmsnorm_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(rows as u32, 1, 1),
-            CubeDim::new_1d(UNITS),
+            CubeDim::new_1d(units),
+            width,
             residual.arg(),
             delta.arg(),
             weight.arg(),
@@ -171,6 +196,7 @@ unsafe fn launch<R: Runtime>(
             weight.len() as u32,
             stride as u32,
             eps,
+            units,
             fused_add,
         )
     }

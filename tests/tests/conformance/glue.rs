@@ -24,11 +24,13 @@ fn runner() -> TestRunner {
     })
 }
 
-/// `rows x cols` RMSNorm, plain and fused with a residual add.
+/// `rows x cols` RMSNorm, plain and fused with a residual add: odd and vector-sized rows,
+/// and rows long enough that every unit handles several vectors (Kimi's 7168) or scalars.
 fn rmsnorm_rows<R: Runtime>(client: &ComputeClient<R>) {
+    let cols = prop_oneof![1usize..=300, prop::sample::select(vec![4097usize, 7168])];
     runner()
         .run(
-            &(1usize..=6, 1usize..=300, any::<u64>(), any::<bool>()),
+            &(1usize..=6, cols, any::<u64>(), any::<bool>()),
             |(rows, cols, seed, fused)| {
                 let mut rng = Rng::new(seed);
                 let x = normal_with_outliers(&mut rng, rows * cols, 1.0);

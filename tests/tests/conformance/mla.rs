@@ -4,8 +4,8 @@
 use cubecl::prelude::*;
 use kiln_conformance::mla::{run_mla, AttnMode, MlaCase};
 use kiln_kernels::mla::{
-    absorb_query, mla_decode, mla_prefill, project_values, write_kv, AttnMetadata, KvBShape,
-    KvFormat, PagedKvCache,
+    absorb_query, absorbs_on_tensor_cores, mla_decode, mla_prefill, project_values, write_kv,
+    AttnMetadata, KvBShape, KvFormat, PagedKvCache,
 };
 use kiln_kernels::Precision;
 use kiln_kernels::{DeviceArray, KernelError};
@@ -257,17 +257,19 @@ fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
         .unwrap();
 }
 
-/// Absorbed queries and value projections against the reference, Kimi's nope/v = 128 and
-/// odd small splits.
+/// Absorbed queries and value projections against the reference at both precisions, Kimi's
+/// nope/v = 128, odd small splits, and splits the tensor-core path takes with a partial K
+/// step (nope 48) and two column tiles of values (v 136); more than 64 tokens cross a token
+/// tile.
 fn absorption<R: Runtime>(client: &ComputeClient<R>) {
     let mut runner = TestRunner::new(Config {
         cases: 12,
         ..Config::default()
     });
     let strategy = (
-        1usize..=3,
+        prop::sample::select(vec![1usize, 3, 70]),
         1usize..=4,
-        prop::sample::select(vec![(128usize, 128usize), (7, 5), (16, 3)]),
+        prop::sample::select(vec![(128usize, 128usize), (7, 5), (16, 3), (48, 136)]),
         any::<u64>(),
     );
     runner
@@ -287,37 +289,36 @@ fn absorption<R: Runtime>(client: &ComputeClient<R>) {
                 v,
                 kv_lora: 512,
             };
-            let tol_q = Tolerance::dot(nope, DType::F32, DType::F32);
             let q = normal_with_outliers(&mut rng, tokens * heads * (nope + 64), 1.0);
-            let out = DeviceArray::filled(client, tokens * heads * 576, f32::NAN);
-            absorb_query(
-                client,
-                &DeviceArray::upload(client, &q),
-                tokens,
-                &kv_b,
-                shape,
-                &out,
-            )
-            .unwrap();
-            let (want, mag) = absorb::absorb_query(&q, &kvb, 64);
-            let cmp = compare(&out.read(client), &want, &tol_q.allowed_all(&want, &mag));
-            prop_assert!(cmp.passed(), "absorb_query: {cmp}");
-
             let latent = normal_with_outliers(&mut rng, tokens * heads * 512, 1.0);
-            let values = DeviceArray::filled(client, tokens * heads * v, f32::NAN);
-            project_values(
-                client,
-                &DeviceArray::upload(client, &latent),
-                tokens,
-                &kv_b,
-                shape,
-                &values,
-            )
-            .unwrap();
-            let (want, mag) = absorb::project_values(&latent, &kvb);
-            let tol_v = Tolerance::dot(512, DType::F32, DType::F32);
-            let cmp = compare(&values.read(client), &want, &tol_v.allowed_all(&want, &mag));
-            prop_assert!(cmp.passed(), "project_values: {cmp}");
+            let (want_q, mag_q) = absorb::absorb_query(&q, &kvb, 64);
+            let (want_v, mag_v) = absorb::project_values(&latent, &kvb);
+            let (q, latent) = (
+                DeviceArray::upload(client, &q),
+                DeviceArray::upload(client, &latent),
+            );
+            for precision in [Precision::Exact, Precision::Bf16] {
+                // The tensor-core path rounds the activations to bf16.
+                let rounding = |tol: Tolerance| {
+                    if absorbs_on_tensor_cores(client, shape, precision) {
+                        tol.with_operands(DType::BF16)
+                    } else {
+                        tol
+                    }
+                };
+                let out = DeviceArray::filled(client, tokens * heads * 576, f32::NAN);
+                absorb_query(client, &q, tokens, &kv_b, shape, &out, precision).unwrap();
+                let tol = rounding(Tolerance::dot(nope, DType::F32, DType::F32));
+                let cmp = compare(&out.read(client), &want_q, &tol.allowed_all(&want_q, &mag_q));
+                prop_assert!(cmp.passed(), "absorb_query ({precision:?}): {cmp}");
+
+                let values = DeviceArray::filled(client, tokens * heads * v, f32::NAN);
+                project_values(client, &latent, tokens, &kv_b, shape, &values, precision)
+                    .unwrap();
+                let tol = rounding(Tolerance::dot(512, DType::F32, DType::F32));
+                let cmp = compare(&values.read(client), &want_v, &tol.allowed_all(&want_v, &mag_v));
+                prop_assert!(cmp.passed(), "project_values ({precision:?}): {cmp}");
+            }
             Ok(())
         })
         .unwrap();

@@ -191,7 +191,15 @@ impl<R: Runtime> GpuModel<R> {
         self.launched(write_kv(cl, &kv_rows, &plan.slots, cache))?;
 
         let q_abs = self.scratch(t * heads * 576);
-        self.launched(absorb_query(cl, &q, t, &a.kv_b, self.kv_b_shape, &q_abs))?;
+        self.launched(absorb_query(
+            cl,
+            &q,
+            t,
+            &a.kv_b,
+            self.kv_b_shape,
+            &q_abs,
+            self.precision,
+        ))?;
         let latent = self.scratch(t * heads * 512);
         let attend = if plan.meta.max_q_len <= MAX_DECODE_Q_LEN {
             mla::mla_decode
@@ -216,6 +224,7 @@ impl<R: Runtime> GpuModel<R> {
             &a.kv_b,
             self.kv_b_shape,
             &values,
+            self.precision,
         ))?;
         self.launched(a.o.apply(cl, &values, t, out, self.precision))?;
         Ok(())
