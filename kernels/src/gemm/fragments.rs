@@ -294,12 +294,16 @@ pub fn scale_pair(word: u32, #[comptime] byte: u32) -> u32 {
     half | (half << 16)
 }
 
-/// `2^-112`: a fragment scale's bf16 value times this is the E4M3 scale.
-pub const TWO_POW_MINUS_112: f32 = f32::from_bits((127 - 112) << 23);
+/// `2^14`: restores the sums of products with weights decoded as `e2m1 * scale * 2^-14`
+/// (codes read as `e2m1 * 2^-126`, times the stored `scale * 2^112`).
+pub const TWO_POW_14: f32 = 16384.0;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `2^-112`: a fragment scale's bf16 value times this is the E4M3 scale.
+    const TWO_POW_MINUS_112: f32 = f32::from_bits((127 - 112) << 23);
 
     /// Every code and every scale of a tiling matrix has its own slot.
     #[test]

@@ -28,7 +28,7 @@
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::fragments::scale_pair;
+use super::fragments::{scale_pair, TWO_POW_14};
 use super::kernel::{find_expert, find_tile};
 use super::{Operand, OperandBuffers, WeightFormat};
 use crate::DeviceArray;
@@ -59,8 +59,6 @@ pub struct GemvConfig {
 /// The most token groups a grouped cube takes (runs of up to 32 rows of one expert).
 pub const GROUPED_GROUPS: usize = 4;
 
-/// `2^14`: restores the NVFP4 path's sums (`2^-126 * 2^112 = 2^-14`).
-const TWO_POW_14: f32 = 16384.0;
 
 /// Grid: (weight tiles / `tiles`, token groups or, grouped, A's rows); `32 * warps` units.
 /// Trusts `k % 64 == 0`, NVFP4 `n % 16 == 0` in the fragment layout, validated buffers.

@@ -25,7 +25,7 @@
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::fragments::{scale_pair, TWO_POW_MINUS_112};
+use super::fragments::{scale_pair, TWO_POW_14};
 use super::kernel::find_tile;
 use super::WeightFormat;
 use crate::formats::{e2m1_to_f32, e4m3_to_f32};
@@ -145,29 +145,35 @@ pub fn mma_gemm_kernel<F: Float>(
             // Weights: 32 values -> 4 vectors of 8 bf16.
             if comptime!(fragments) {
                 // One fragment word per step: registers R0..R3 (rows g, g + 8, g, g + 8),
-                // each from nibbles 3 - i (low) and 7 - i (high).
+                // each from nibbles 3 - i (low) and 7 - i (high). As in the GEMV (`gemv.rs`):
+                // the two codes' sign, exponent and mantissa bits moved into a bf16 pair read
+                // `e2m1 * 2^-126`, and one bf16x2 multiply by the stored scale pair
+                // (`scale * 2^112`) gives `e2m1 * scale * 2^-14` exactly; `2^14` goes with the
+                // global scale at the end.
                 #[unroll]
                 for s in 0..4usize {
                     let word = w_raw[0][s];
-                    // Fragment scales: bf16 `scale * 2^112` (see `fragments.rs`).
                     let scale_word = s_raw[s / 2];
-                    let s_g = f32::reinterpret(
-                        scale_pair(scale_word, comptime!(2 * (s as u32 % 2))) << 16,
-                    ) * TWO_POW_MINUS_112;
-                    let s_g8 = f32::reinterpret(
-                        scale_pair(scale_word, comptime!(2 * (s as u32 % 2) + 1)) << 16,
-                    ) * TWO_POW_MINUS_112;
+                    let s_g = Frag::reinterpret(scale_pair(
+                        scale_word,
+                        comptime!(2 * (s as u32 % 2)),
+                    ));
+                    let s_g8 = Frag::reinterpret(scale_pair(
+                        scale_word,
+                        comptime!(2 * (s as u32 % 2) + 1),
+                    ));
                     let mut v = Bf16x8::empty();
                     #[unroll]
                     for i in 0..4u32 {
-                        let mut scale = s_g8;
+                        let x = word << (4 * i);
+                        let w =
+                            Frag::reinterpret((x & 0x8000_8000u32) | ((x >> 6) & 0x01c0_01c0u32));
+                        let mut pair = w * s_g8;
                         if comptime!(i % 2 == 0) {
-                            scale = s_g;
+                            pair = w * s_g;
                         }
-                        let lo = e2m1_to_f32(word >> comptime!(4 * (3 - i)));
-                        let hi = e2m1_to_f32(word >> comptime!(4 * (7 - i)));
-                        v[2 * i as usize] = bf16::cast_from(lo * scale);
-                        v[2 * i as usize + 1] = bf16::cast_from(hi * scale);
+                        v[2 * i as usize] = pair[0];
+                        v[2 * i as usize + 1] = pair[1];
                     }
                     w_s[((unit / 32) * 4 + s) * 32 + lane] = v;
                 }
@@ -286,6 +292,9 @@ pub fn mma_gemm_kernel<F: Float>(
         let mut global = 1.0f32;
         if comptime!(format == WeightFormat::Nvfp4) {
             global = f32::reinterpret(global_scales[expert]);
+        }
+        if comptime!(fragments) {
+            global *= TWO_POW_14;
         }
         #[unroll]
         for mt in 0..2usize {

@@ -3,16 +3,23 @@
 //! `slot[a]`; rows `offsets[e]..offsets[e + 1]` belong to expert `e`, in token order;
 //! `source[r]` is the token whose activations feed sorted row `r`.
 //!
-//! One cube: each unit counts and then places the pairs of its own experts (a unit per
-//! expert, strided), unit 0 turns counts into offsets. Fine for decode batches and prefill
-//! chunks; a multi-cube sort is the speed issue's business.
+//! Up to [`ONE_CUBE_MAX_PAIRS`] pairs (decode: 128 tokens x top-8) one cube sorts: each unit
+//! counts and then places the pairs of its own experts (a unit per expert, strided), unit 0
+//! turns counts into offsets; one launch. Past that, each unit's walks over every pair grow
+//! with the batch (7.9 ms for an 8k-token prefill on the H200, `benches/RESULTS.md`), so a
+//! cube per expert sorts instead: one launch counts the expert's pairs, a second sums the
+//! counts of the experts before it (its offset), splits the pairs into one contiguous segment
+//! per unit, scans the units' counts and places each unit's pairs in pair order.
 use cubecl::prelude::*;
 
 use super::gate::MAX_EXPERTS;
 use crate::buffer::check_len;
+use crate::reduce::cube_sum;
 use crate::{DeviceArray, KernelError};
 
 const UNITS: u32 = 256;
+/// The most pairs the one-cube sort takes.
+pub const ONE_CUBE_MAX_PAIRS: usize = 1024;
 
 /// The sort's outputs.
 pub struct Dispatch {
@@ -69,6 +76,85 @@ fn dispatch_kernel(
     }
 }
 
+/// Cube `e` counts the pairs routed to expert `e` (a count below 2^24, exact in f32).
+#[cube(launch_unchecked)]
+fn count_kernel(experts: &Array<u32>, counts: &mut Array<u32>) {
+    let e = CUBE_POS_X;
+    let unit = UNIT_POS_X as usize;
+    let mut partials = SharedMemory::<f32>::new(UNITS as usize);
+    let mut c = 0.0f32;
+    for a in range_stepped(unit, experts.len(), UNITS as usize) {
+        if experts[a] == e {
+            c += 1.0;
+        }
+    }
+    let total = cube_sum(c, &mut partials, unit, UNITS);
+    if unit == 0 {
+        counts[e as usize] = u32::cast_from(total);
+    }
+}
+
+/// Cube `e` places expert `e`'s pairs: its offset is the sum of the counts before it; unit
+/// `u` walks the `u`-th contiguous segment of the pairs, once to count and, after a scan of
+/// the counts over the units, once to place.
+#[cube(launch_unchecked)]
+fn place_kernel(
+    experts: &Array<u32>,
+    counts: &Array<u32>,
+    offsets: &mut Array<u32>,
+    slot: &mut Array<u32>,
+    source: &mut Array<u32>,
+    top_k: u32,
+) {
+    let e = CUBE_POS_X as usize;
+    let unit = UNIT_POS_X as usize;
+    let pairs = experts.len();
+    let mut partials = SharedMemory::<f32>::new(UNITS as usize);
+    let mut before = 0.0f32;
+    for x in range_stepped(unit, e, UNITS as usize) {
+        before += f32::cast_from(counts[x]);
+    }
+    let offset = u32::cast_from(cube_sum(before, &mut partials, unit, UNITS));
+    if unit == 0 {
+        offsets[e] = offset;
+        if e + 1 == CUBE_COUNT_X as usize {
+            offsets[e + 1] = offset + counts[e];
+        }
+    }
+    let segment = pairs.div_ceil(UNITS as usize);
+    let lo = min(unit * segment, pairs);
+    let hi = min(lo + segment, pairs);
+    let mut mine = 0u32;
+    for a in lo..hi {
+        if experts[a] == e as u32 {
+            mine += 1;
+        }
+    }
+    // Inclusive scan of the units' counts (Hillis-Steele).
+    let mut scan = SharedMemory::<u32>::new(UNITS as usize);
+    scan[unit] = mine;
+    sync_cube();
+    let levels = comptime!(UNITS.trailing_zeros());
+    for level in 0..levels {
+        let d = 1usize << level as usize;
+        let mut add = 0u32;
+        if unit >= d {
+            add = scan[unit - d];
+        }
+        sync_cube();
+        scan[unit] += add;
+        sync_cube();
+    }
+    let mut next = offset + scan[unit] - mine;
+    for a in lo..hi {
+        if experts[a] == e as u32 {
+            slot[a] = next;
+            source[next as usize] = a as u32 / top_k;
+            next += 1;
+        }
+    }
+}
+
 /// Sorts the `tokens * k` routed pairs in `experts` by expert.
 pub fn dispatch<R: Runtime>(
     client: &ComputeClient<R>,
@@ -98,20 +184,50 @@ pub fn dispatch<R: Runtime>(
     if experts.is_empty() {
         return Ok(());
     }
+    if experts.len() >= 1 << 24 {
+        return Err(KernelError::Range {
+            what: "routed pairs (counted exactly in f32)",
+            value: experts.len(),
+            min: 1,
+            max: (1 << 24) - 1,
+        });
+    }
     // SAFETY: shapes validated; expert ids are trusted to be below `n_experts` (the router
     // writes them).
     unsafe {
-        dispatch_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(1, 1, 1),
-            CubeDim::new_1d(UNITS),
-            experts.arg(),
-            out.offsets.arg(),
-            out.slot.arg(),
-            out.source.arg(),
-            n_experts as u32,
-            top_k as u32,
-        )
+        if experts.len() <= ONE_CUBE_MAX_PAIRS {
+            dispatch_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(UNITS),
+                experts.arg(),
+                out.offsets.arg(),
+                out.slot.arg(),
+                out.source.arg(),
+                n_experts as u32,
+                top_k as u32,
+            );
+        } else {
+            let counts = DeviceArray::<u32>::uninit(client, n_experts);
+            count_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(n_experts as u32, 1, 1),
+                CubeDim::new_1d(UNITS),
+                experts.arg(),
+                counts.arg(),
+            );
+            place_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(n_experts as u32, 1, 1),
+                CubeDim::new_1d(UNITS),
+                experts.arg(),
+                counts.arg(),
+                out.offsets.arg(),
+                out.slot.arg(),
+                out.source.arg(),
+                top_k as u32,
+            );
+        }
     }
     Ok(())
 }

@@ -71,16 +71,20 @@ fn route_kernel(
         choice[e] = s + bias[e];
     }
     sync_cube();
-    // A group's score: the sum of its two best choices.
+    // A group's score: the sum of its two best choices. When every group is kept the scores
+    // cannot matter and the scan (one unit over all 384 experts for Kimi K2's single group)
+    // is skipped.
     for g in range_stepped(unit, groups, UNITS as usize) {
         let (mut a, mut b) = (f32::new(-3.0e38), f32::new(-3.0e38));
-        for i in 0..per_group {
-            let c = choice[g * per_group + i];
-            if c > a {
-                b = a;
-                a = c;
-            } else if c > b {
-                b = c;
+        if topk_group < n_group {
+            for i in 0..per_group {
+                let c = choice[g * per_group + i];
+                if c > a {
+                    b = a;
+                    a = c;
+                } else if c > b {
+                    b = c;
+                }
             }
         }
         group_score[g] = a + b;

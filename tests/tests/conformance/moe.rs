@@ -96,7 +96,8 @@ fn dispatch_gather_combine<R: Runtime>(client: &ComputeClient<R>) {
             &(
                 // Up to Kimi's 384 experts: more experts than units, so units own several.
                 prop_oneof![1usize..=40, 250usize..=384],
-                1usize..=9,
+                // Decode batches (one-cube sort) and prefill chunks past 1024 pairs.
+                prop_oneof![1usize..=9, 200usize..=1100],
                 1usize..=4,
                 1usize..=70,
                 any::<u64>(),

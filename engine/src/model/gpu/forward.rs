@@ -119,7 +119,8 @@ impl<R: Runtime> GpuModel<R> {
         })
     }
 
-    /// Counts one kernel launch (every kiln kernel function launches exactly one kernel).
+    /// Counts one kernel call: one launch, except split-K GEMMs and the prefill-sized MoE
+    /// dispatch, which launch two.
     fn launched<T>(&self, result: Result<T, KernelError>) -> Result<T, ModelError> {
         self.launches.fetch_add(1, Ordering::Relaxed);
         Ok(result?)
