@@ -59,7 +59,6 @@ pub struct GemvConfig {
 /// The most token groups a grouped cube takes (runs of up to 32 rows of one expert).
 pub const GROUPED_GROUPS: usize = 4;
 
-
 /// Grid: (weight tiles / `tiles`, token groups or, grouped, A's rows); `32 * warps` units.
 /// Trusts `k % 64 == 0`, NVFP4 `n % 16 == 0` in the fragment layout, validated buffers.
 #[cube(launch_unchecked)]

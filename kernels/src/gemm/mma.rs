@@ -4,9 +4,10 @@
 //! A cube computes a [`BM`] x [`BN`] tile of `C` (tokens x weight rows) with 8 warps, each a
 //! 32 x 32 sub-tile (2 x 4 MMA tiles). Per step of [`BK`] along K the cube copies its
 //! activation rows into shared memory as bf16 and decodes its weight rows there (NVFP4:
-//! `e2m1 * block scale`, which has at most 6 significant bits and is exact in bf16; the f32
-//! global scale multiplies the accumulator once at the end), then each warp runs 4 k-steps
-//! of 8 MMAs from `ldmatrix` fragments. The grid's fastest axis walks M, so the cubes that
+//! `e2m1 * block scale`, which has at most 6 significant bits and is exact in bf16; the
+//! fragment layout's decode yields it times `2^-14`, two values per bf16x2 multiply; the f32
+//! global scale, with `2^14` there, multiplies the accumulator once at the end), then each
+//! warp runs 4 k-steps of 8 MMAs from `ldmatrix` fragments. The grid's fastest axis walks M, so the cubes that
 //! share a weight tile run together and all but the first read it from L2.
 //!
 //! Grouped (MoE): rows of `A` are sorted by expert, `expert_offsets` on the device. The grid
@@ -106,11 +107,21 @@ pub fn mma_gemm_kernel<F: Float>(
         for i in 0..16usize {
             acc[i] = Acc::new(0.0);
         }
-        // The rows this unit copies: activations row `unit / 4` (16 values at
-        // `(unit % 4) * 16`), weights row `unit / 2` (32 values at `(unit % 2) * 32`).
-        let a_row = min(row_begin + unit / 4, row_end - 1);
+        // The rows this unit copies. Activations: with fragment-layout weights, row
+        // `unit / 4` (16 values at `(unit % 4) * 16`: the permuted order needs whole groups of
+        // 16 columns); otherwise rows `unit / 8` and `32 + unit / 8` (8 values at
+        // `(unit % 8) * 8`), so a warp's loads cover whole rows (half the L1 wavefronts).
+        // Weights: NVFP4 row `unit / 2` (32 values at `(unit % 2) * 32`); bf16 rows
+        // `j * 32 + unit / 8` (8 values at `(unit % 8) * 8`), one 16-byte vector each.
+        let a_row = if comptime!(fragments) {
+            min(row_begin + unit / 4, row_end - 1)
+        } else {
+            min(row_begin + unit / 8, row_end - 1)
+        };
+        let a_row2 = min(row_begin + 32 + unit / 8, row_end - 1);
         let w_local = unit / 2;
-        let w_row = expert * n + min(n0 + w_local, n - 1);
+        let w_first = expert * n + n0;
+        let w_last = expert * n + n - 1;
 
         // This cube's K steps (a split of them when the grid's z axis splits K). The next
         // step's raw operands are loaded into registers before this step's MMAs run, so
@@ -124,12 +135,12 @@ pub fn mma_gemm_kernel<F: Float>(
         let mut s_raw = Array::<u32>::new(2usize);
         let w_tile = (expert * n + min(n0 + (unit / 32) * 16, n - 1)) / 16;
         load_raw(
-            a, weights, scales, &mut a_raw, &mut w_raw, &mut s_raw, a_row, w_row, w_tile, k,
-            kt_begin, unit, format, fragments,
+            a, weights, scales, &mut a_raw, &mut w_raw, &mut s_raw, a_row, a_row2, w_first, w_last,
+            w_tile, k, kt_begin, unit, format, fragments,
         );
         for kt in kt_begin..kt_end {
-            // Activations: 4 vectors of 4 -> 2 vectors of 8 bf16 (16 columns, permuted for
-            // fragment-layout weights).
+            // Activations: 4 vectors of 4 -> 2 vectors of 8 bf16 (fragments: 16 columns of
+            // one row, permuted; otherwise 8 columns of each of two rows).
             #[unroll]
             for h in 0..2usize {
                 let mut v = Bf16x8::empty();
@@ -140,7 +151,11 @@ pub fn mma_gemm_kernel<F: Float>(
                     let lane_in = comptime!(if fragments { 2 * h + e % 2 } else { e % 4 });
                     v[e] = bf16::cast_from(a_raw[vec][lane_in]);
                 }
-                a_s[(unit / 4) * STRIDE + (unit % 4) * 2 + h] = v;
+                if comptime!(fragments) {
+                    a_s[(unit / 4) * STRIDE + (unit % 4) * 2 + h] = v;
+                } else {
+                    a_s[(h * 32 + unit / 8) * STRIDE + unit % 8] = v;
+                }
             }
             // Weights: 32 values -> 4 vectors of 8 bf16.
             if comptime!(fragments) {
@@ -154,10 +169,8 @@ pub fn mma_gemm_kernel<F: Float>(
                 for s in 0..4usize {
                     let word = w_raw[0][s];
                     let scale_word = s_raw[s / 2];
-                    let s_g = Frag::reinterpret(scale_pair(
-                        scale_word,
-                        comptime!(2 * (s as u32 % 2)),
-                    ));
+                    let s_g =
+                        Frag::reinterpret(scale_pair(scale_word, comptime!(2 * (s as u32 % 2))));
                     let s_g8 = Frag::reinterpret(scale_pair(
                         scale_word,
                         comptime!(2 * (s as u32 % 2) + 1),
@@ -196,7 +209,7 @@ pub fn mma_gemm_kernel<F: Float>(
             } else {
                 #[unroll]
                 for j in 0..4usize {
-                    w_s[w_local * STRIDE + part * 4 + j] = Bf16x8::reinterpret(w_raw[j]);
+                    w_s[(j * 32 + unit / 8) * STRIDE + unit % 8] = Bf16x8::reinterpret(w_raw[j]);
                 }
             }
             sync_cube();
@@ -208,7 +221,9 @@ pub fn mma_gemm_kernel<F: Float>(
                 &mut w_raw,
                 &mut s_raw,
                 a_row,
-                w_row,
+                a_row2,
+                w_first,
+                w_last,
                 w_tile,
                 k,
                 min(kt + 1, kt_end - 1),
@@ -321,8 +336,11 @@ pub fn mma_gemm_kernel<F: Float>(
     }
 }
 
-/// This unit's raw operands of K step `kt`: 16 activations (4 vectors), and 32 weights
-/// (NVFP4: one vector of codes and the word holding their 2 block scales; bf16: 4 vectors).
+/// This unit's raw operands of K step `kt` (rows as the kernel assigns them): 16 activations
+/// (4 vectors: fragments, of row `a_row`; otherwise 2 of `a_row` and 2 of `a_row2`), and 32
+/// weights
+/// (NVFP4: one vector of codes and the word holding their 2 block scales; bf16: 4 vectors of
+/// 4 rows, clamped to `w_last`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_raw<F: Float>(
@@ -333,7 +351,9 @@ fn load_raw<F: Float>(
     w_raw: &mut Array<Vector<u32, Const<4>>>,
     s_raw: &mut Array<u32>,
     a_row: usize,
-    w_row: usize,
+    a_row2: usize,
+    w_first: usize,
+    w_last: usize,
     w_tile: usize,
     k: usize,
     kt: usize,
@@ -341,10 +361,19 @@ fn load_raw<F: Float>(
     #[comptime] format: WeightFormat,
     #[comptime] fragments: bool,
 ) {
-    let a_at = (a_row * k + kt * 64 + (unit % 4) * 16) / 4;
-    #[unroll]
-    for i in 0..4usize {
-        a_raw[i] = a[a_at + i];
+    if comptime!(fragments) {
+        let a_at = (a_row * k + kt * 64 + (unit % 4) * 16) / 4;
+        #[unroll]
+        for i in 0..4usize {
+            a_raw[i] = a[a_at + i];
+        }
+    } else {
+        let col = kt * 64 + (unit % 8) * 8;
+        let (at, at2) = ((a_row * k + col) / 4, (a_row2 * k + col) / 4);
+        a_raw[0] = a[at];
+        a_raw[1] = a[at + 1];
+        a_raw[2] = a[at2];
+        a_raw[3] = a[at2 + 1];
     }
     let part = unit % 2;
     if comptime!(fragments) {
@@ -355,12 +384,14 @@ fn load_raw<F: Float>(
         s_raw[0] = scales[tile * 16 + (lane / 4) * 2];
         s_raw[1] = scales[tile * 16 + (lane / 4) * 2 + 1];
     } else if comptime!(format == WeightFormat::Nvfp4) {
+        let w_row = min(w_first + unit / 2, w_last);
         w_raw[0] = weights[w_row * (k / 32) + kt * 2 + part];
         s_raw[0] = scales[(w_row * (k / 16) + kt * 4 + part * 2) / 4];
     } else {
         #[unroll]
         for j in 0..4usize {
-            w_raw[j] = weights[w_row * (k / 8) + kt * 8 + part * 4 + j];
+            let w_row = min(w_first + j * 32 + unit / 8, w_last);
+            w_raw[j] = weights[w_row * (k / 8) + kt * 8 + unit % 8];
         }
     }
 }

@@ -183,7 +183,8 @@ pub fn route<R: Runtime>(
             max: MAX_EXPERTS,
         });
     }
-    if p.n_group == 0 || p.n_group > MAX_GROUPS || !e.is_multiple_of(p.n_group) || e / p.n_group < 2 {
+    if p.n_group == 0 || p.n_group > MAX_GROUPS || !e.is_multiple_of(p.n_group) || e / p.n_group < 2
+    {
         return Err(KernelError::Range {
             what: "n_group (divides experts, >= 2 per group)",
             value: p.n_group,

@@ -309,14 +309,21 @@ fn absorption<R: Runtime>(client: &ComputeClient<R>) {
                 let out = DeviceArray::filled(client, tokens * heads * 576, f32::NAN);
                 absorb_query(client, &q, tokens, &kv_b, shape, &out, precision).unwrap();
                 let tol = rounding(Tolerance::dot(nope, DType::F32, DType::F32));
-                let cmp = compare(&out.read(client), &want_q, &tol.allowed_all(&want_q, &mag_q));
+                let cmp = compare(
+                    &out.read(client),
+                    &want_q,
+                    &tol.allowed_all(&want_q, &mag_q),
+                );
                 prop_assert!(cmp.passed(), "absorb_query ({precision:?}): {cmp}");
 
                 let values = DeviceArray::filled(client, tokens * heads * v, f32::NAN);
-                project_values(client, &latent, tokens, &kv_b, shape, &values, precision)
-                    .unwrap();
+                project_values(client, &latent, tokens, &kv_b, shape, &values, precision).unwrap();
                 let tol = rounding(Tolerance::dot(512, DType::F32, DType::F32));
-                let cmp = compare(&values.read(client), &want_v, &tol.allowed_all(&want_v, &mag_v));
+                let cmp = compare(
+                    &values.read(client),
+                    &want_v,
+                    &tol.allowed_all(&want_v, &mag_v),
+                );
                 prop_assert!(cmp.passed(), "project_values ({precision:?}): {cmp}");
             }
             Ok(())
