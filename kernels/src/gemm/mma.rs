@@ -107,17 +107,11 @@ pub fn mma_gemm_kernel<F: Float>(
         for i in 0..16usize {
             acc[i] = Acc::new(0.0);
         }
-        // The rows this unit copies. Activations: with fragment-layout weights, row
-        // `unit / 4` (16 values at `(unit % 4) * 16`: the permuted order needs whole groups of
-        // 16 columns); otherwise rows `unit / 8` and `32 + unit / 8` (8 values at
-        // `(unit % 8) * 8`), so a warp's loads cover whole rows (half the L1 wavefronts).
-        // Weights: NVFP4 row `unit / 2` (32 values at `(unit % 2) * 32`); bf16 rows
-        // `j * 32 + unit / 8` (8 values at `(unit % 8) * 8`), one 16-byte vector each.
-        let a_row = if comptime!(fragments) {
-            min(row_begin + unit / 4, row_end - 1)
-        } else {
-            min(row_begin + unit / 8, row_end - 1)
-        };
+        // The rows this unit copies. Activations: rows `unit / 8` and `32 + unit / 8`, 8
+        // values at `(unit % 8) * 8` of each, so a warp's loads cover whole rows. Weights:
+        // NVFP4 row `unit / 2` (32 values at `(unit % 2) * 32`); bf16 rows `j * 32 + unit / 8`
+        // (8 values at `(unit % 8) * 8`), one 16-byte vector each.
+        let a_row = min(row_begin + unit / 8, row_end - 1);
         let a_row2 = min(row_begin + 32 + unit / 8, row_end - 1);
         let w_local = unit / 2;
         let w_first = expert * n + n0;
@@ -139,23 +133,41 @@ pub fn mma_gemm_kernel<F: Float>(
             w_tile, k, kt_begin, unit, format, fragments,
         );
         for kt in kt_begin..kt_end {
-            // Activations: 4 vectors of 4 -> 2 vectors of 8 bf16 (fragments: 16 columns of
-            // one row, permuted; otherwise 8 columns of each of two rows).
+            // Activations: 8 columns of each of two rows -> one vector of 8 bf16 per row.
             #[unroll]
             for h in 0..2usize {
                 let mut v = Bf16x8::empty();
-                #[unroll]
-                for e in 0..8usize {
-                    // Fragment columns 2c + b (h = 0) and 2c + 8 + b (h = 1) hold 4c + 2h + b.
-                    let vec = comptime!(if fragments { e / 2 } else { 2 * h + e / 4 });
-                    let lane_in = comptime!(if fragments { 2 * h + e % 2 } else { e % 4 });
-                    v[e] = bf16::cast_from(a_raw[vec][lane_in]);
-                }
                 if comptime!(fragments) {
-                    a_s[(unit / 4) * STRIDE + (unit % 4) * 2 + h] = v;
+                    // Fragment columns 2c + b (vector 0) and 2c + 8 + b (vector 1) of a
+                    // 16-column group hold columns 4c + b and 4c + 2 + b. This unit has
+                    // columns 8 * half + 0..8 of its group as pairs p0..p3; vector `half` of
+                    // the group takes two pairs from this unit and two from its neighbour
+                    // (lane ^ 1, the other half), traded by shuffles.
+                    let half = unit % 2;
+                    let mut p = Array::<u32>::new(4usize);
+                    #[unroll]
+                    for j in 0..4usize {
+                        let mut pair = Frag::empty();
+                        pair[0] = bf16::cast_from(a_raw[2 * h + j / 2][2 * (j % 2)]);
+                        pair[1] = bf16::cast_from(a_raw[2 * h + j / 2][2 * (j % 2) + 1]);
+                        p[j] = u32::reinterpret(pair);
+                    }
+                    // Half 0 keeps p0, p2 and sends p1, p3; half 1 keeps p1, p3, sends p0, p2.
+                    let got_a = plane_shuffle_xor(select(half == 0, p[1], p[0]), 1);
+                    let got_b = plane_shuffle_xor(select(half == 0, p[3], p[2]), 1);
+                    let mut words = Vector::<u32, Const<4>>::empty();
+                    words[0] = select(half == 0, p[0], got_a);
+                    words[1] = select(half == 0, p[2], got_b);
+                    words[2] = select(half == 0, got_a, p[1]);
+                    words[3] = select(half == 0, got_b, p[3]);
+                    v = Bf16x8::reinterpret(words);
                 } else {
-                    a_s[(h * 32 + unit / 8) * STRIDE + unit % 8] = v;
+                    #[unroll]
+                    for e in 0..8usize {
+                        v[e] = bf16::cast_from(a_raw[2 * h + e / 4][e % 4]);
+                    }
                 }
+                a_s[(h * 32 + unit / 8) * STRIDE + unit % 8] = v;
             }
             // Weights: 32 values -> 4 vectors of 8 bf16.
             if comptime!(fragments) {
@@ -337,8 +349,7 @@ pub fn mma_gemm_kernel<F: Float>(
 }
 
 /// This unit's raw operands of K step `kt` (rows as the kernel assigns them): 16 activations
-/// (4 vectors: fragments, of row `a_row`; otherwise 2 of `a_row` and 2 of `a_row2`), and 32
-/// weights
+/// (2 vectors of `a_row`, 2 of `a_row2`), and 32 weights
 /// (NVFP4: one vector of codes and the word holding their 2 block scales; bf16: 4 vectors of
 /// 4 rows, clamped to `w_last`).
 #[cube]
@@ -361,20 +372,12 @@ fn load_raw<F: Float>(
     #[comptime] format: WeightFormat,
     #[comptime] fragments: bool,
 ) {
-    if comptime!(fragments) {
-        let a_at = (a_row * k + kt * 64 + (unit % 4) * 16) / 4;
-        #[unroll]
-        for i in 0..4usize {
-            a_raw[i] = a[a_at + i];
-        }
-    } else {
-        let col = kt * 64 + (unit % 8) * 8;
-        let (at, at2) = ((a_row * k + col) / 4, (a_row2 * k + col) / 4);
-        a_raw[0] = a[at];
-        a_raw[1] = a[at + 1];
-        a_raw[2] = a[at2];
-        a_raw[3] = a[at2 + 1];
-    }
+    let col = kt * 64 + (unit % 8) * 8;
+    let (at, at2) = ((a_row * k + col) / 4, (a_row2 * k + col) / 4);
+    a_raw[0] = a[at];
+    a_raw[1] = a[at + 1];
+    a_raw[2] = a[at2];
+    a_raw[3] = a[at2 + 1];
     let part = unit % 2;
     if comptime!(fragments) {
         // Tile `unit / 32` of the cube's 8, lane `unit % 32`; its 8 scale bytes.
