@@ -138,7 +138,10 @@ proptest! {
             output.extend(s.turns.iter().flat_map(|t| t.requests.iter().map(|r| r.output as f64)));
         }
         assert_mean_close("output", &output, &p.output, 0.5);
-        assert_share_close("user share", &is_user, p.user_turn_share);
+        // Sessions of one turn have no follow-up turn to be a user or tool turn.
+        if is_user.len() > 30 {
+            assert_share_close("user share", &is_user, p.user_turn_share);
+        }
         if tool.len() > 30 {
             assert_mean_close("tool result", &tool, &p.tool_result, 0.5);
             assert_mean_close("tool gap", &tool_gap, &p.tool_think_s, 0.0);
