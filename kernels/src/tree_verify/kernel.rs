@@ -5,9 +5,11 @@
 //! so its bytes are the rows the walk must read. Its design:
 //! - The residual is never stored: after `k` rejections at a node it is `w_k / S_k`, with
 //!   `w_0 = p`, `S_0 = 1`, `w_{j+1} = relu(w_j - S_j q)` and `S_{j+1} = sum(w_{j+1})`
-//!   (algebraically the reference's `norm(relu(r - q))`). A pass recomputes `w_k` from the
-//!   target and draft rows with the `S_j` kept in shared memory: no scratch buffer, no
-//!   writes, and one read of `p` and `q` per rejection instead of read-write-reread.
+//!   (algebraically the reference's `norm(relu(r - q))`). As `q >= 0` and every `S_j > 0`,
+//!   `w_k = relu(p - T_k q)` with `T_k = S_0 + ... + S_{k-1}`: one scalar, so a pass
+//!   recomputes `w_k` from the target and draft rows with one multiply-add per token: no
+//!   scratch buffer, no writes, and one read of `p` and `q` per rejection instead of
+//!   read-write-reread.
 //! - A pass is coalesced and vectorised: the cube's units form groups of 32 (a CUDA plane),
 //!   each group streams one contiguous segment of the row in 4-float vectors, with
 //!   [`UNROLL`] loads per array in flight per unit. The walk's scalar reads (each child's
@@ -127,8 +129,6 @@ pub fn verify_stochastic_kernel<N: Size>(
     let mut words = batch + base * split;
     let mut cube_sums = SharedMemory::<f32>::new(MAX_SPLIT);
     let mut last_out = SharedMemory::<u32>::new(1usize);
-    // scales[j] = S_j, the scale subtracted at residual step j of the current node.
-    let mut scales = SharedMemory::<f32>::new(MAX_NODES);
     let mut partials = SharedMemory::<f32>::new(units as usize);
     let mut spans = SharedMemory::<f32>::new(units as usize);
     let mut group_sums = SharedMemory::<f32>::new(units as usize / GROUP);
@@ -152,36 +152,33 @@ pub fn verify_stochastic_kernel<N: Size>(
     // barrier.
     let mut cur = 0usize;
     let mut len = 0usize;
-    let mut steps = 0usize;
+    // The current residual is relu(p - shift * q) / total.
+    let mut shift = 0.0f32;
     let mut total = 1.0f32;
     // Whether group_sums and cube_sums hold the sums of the current residual.
     let mut sums_ready = false;
     for c in 1..n {
         if parent_of[c] as usize == cur {
             let q_x = child_q[c];
-            let w_x = residual_at(child_p[c], q_x, &scales, steps);
+            let w_x = residual_at(child_p[c], q_x, shift);
             if child_u[c] * q_x < w_x / total {
                 if unit == 0 && part == 0 {
                     accepted[base + len] = c as i32;
                 }
                 len += 1;
                 cur = c;
-                steps = 0;
+                shift = 0.0;
                 total = 1.0;
                 sums_ready = false;
             } else {
-                if unit == 0 {
-                    scales[steps] = total;
-                }
-                sync_cube();
+                let shifted = shift + total;
                 let row = (base + cur) * v;
                 let own = row_pass(
                     target_vectors,
                     draft_vectors,
                     row / width + lo,
                     hi - lo,
-                    &scales,
-                    steps + 1,
+                    shifted,
                     &mut partials,
                     &mut group_sums,
                     unit,
@@ -193,7 +190,7 @@ pub fn verify_stochastic_kernel<N: Size>(
                 // (the reference's rule).
                 sums_ready = next > 0.0;
                 if sums_ready {
-                    steps += 1;
+                    shift = shifted;
                     total = next;
                 }
             }
@@ -207,8 +204,7 @@ pub fn verify_stochastic_kernel<N: Size>(
             draft_vectors,
             row / width + lo,
             hi - lo,
-            &scales,
-            steps,
+            shift,
             &mut partials,
             &mut group_sums,
             unit,
@@ -230,8 +226,7 @@ pub fn verify_stochastic_kernel<N: Size>(
             row + lo * width,
             hi - lo,
             mass - prefix(&cube_sums, 0, owner),
-            &scales,
-            steps,
+            shift,
             &mut partials,
             &mut spans,
             &mut group_sums,
@@ -307,18 +302,14 @@ fn share_sums(
     total
 }
 
-/// `w_steps` at one token from its target and draft probabilities.
+/// The unnormalized residual `relu(p - shift * q)` at one token.
 #[cube]
-fn residual_at(p: f32, q: f32, scales: &SharedMemory<f32>, steps: usize) -> f32 {
-    let mut w = p;
-    for j in 0..steps {
-        w = max(w - scales[j] * q, 0.0);
-    }
-    w
+fn residual_at(p: f32, q: f32, shift: f32) -> f32 {
+    max(p - shift * q, 0.0)
 }
 
 /// One coalesced pass over a row (`lines` vectors from vector `row`): each group sums one
-/// contiguous segment, its lanes reading consecutive vectors. Returns the sum of `w_steps`
+/// contiguous segment, its lanes reading consecutive vectors. Returns the sum of the residual
 /// and leaves the segment sums in `group_sums`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -327,8 +318,7 @@ fn row_pass<N: Size>(
     draft: &Array<Vector<f32, N>>,
     row: usize,
     lines: usize,
-    scales: &SharedMemory<f32>,
-    steps: usize,
+    shift: f32,
     partials: &mut SharedMemory<f32>,
     group_sums: &mut SharedMemory<f32>,
     unit: usize,
@@ -338,16 +328,7 @@ fn row_pass<N: Size>(
     let per_group = lines.div_ceil(groups);
     let start = min(unit / GROUP * per_group, lines);
     let end = min(start + per_group, lines);
-    let sum = vector_sum(
-        target,
-        draft,
-        row,
-        start + unit % GROUP,
-        end,
-        GROUP,
-        scales,
-        steps,
-    );
+    let sum = vector_sum(target, draft, row, start + unit % GROUP, end, GROUP, shift);
     group_reduce(sum, partials, group_sums, unit);
     let mut total = 0.0f32;
     for g in 0..groups {
@@ -356,9 +337,9 @@ fn row_pass<N: Size>(
     total
 }
 
-/// Sum of `w_steps` over vectors `first, first + step, ...` below `end` of the row at
+/// Sum of `relu(p - shift * q)` over vectors `first, first + step, ...` below `end` of the row at
 /// vector `row`, with [`UNROLL`] loads per array issued before any is used. Reads the draft
-/// row only when `steps > 0`.
+/// row only when `shift > 0`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn vector_sum<N: Size>(
@@ -368,8 +349,7 @@ fn vector_sum<N: Size>(
     first: usize,
     end: usize,
     step: usize,
-    scales: &SharedMemory<f32>,
-    steps: usize,
+    shift: f32,
 ) -> f32 {
     let zero = Vector::<f32, N>::new(0.0);
     let mut acc = zero;
@@ -381,15 +361,15 @@ fn vector_sum<N: Size>(
         for r in 0..UNROLL {
             let at = row + min(i + r * step, end - 1);
             p[r] = target[at];
-            if steps > 0 {
+            if shift > 0.0 {
                 q[r] = draft[at];
             }
         }
         #[unroll]
         for r in 0..UNROLL {
             let mut w = p[r];
-            for j in 0..steps {
-                w = max(w - q[r] * Vector::new(scales[j]), zero);
+            if shift > 0.0 {
+                w = max(w - q[r] * Vector::new(shift), zero);
             }
             acc += select(i + r * step < end, w, zero);
         }
@@ -460,7 +440,7 @@ fn prefix(sums: &SharedMemory<f32>, start: usize, count: usize) -> f32 {
     s
 }
 
-/// Samples the token where the cumulative sum of `w_steps` over the row (element `row`,
+/// Samples the token where the cumulative sum of `relu(p - shift * q)` over the row (element `row`,
 /// vector `row / width`) first exceeds `mass`, in three levels: the segment, from the sums
 /// [`row_pass`] left in `group_sums`; a unit's span of the segment, from every unit's span
 /// sum (contiguous spans, read with [`vector_sum`]); the token, by a scalar scan of that span
@@ -475,8 +455,7 @@ fn sample<N: Size>(
     row: usize,
     lines: usize,
     mass: f32,
-    scales: &SharedMemory<f32>,
-    steps: usize,
+    shift: f32,
     partials: &mut SharedMemory<f32>,
     spans: &mut SharedMemory<f32>,
     group_sums: &mut SharedMemory<f32>,
@@ -501,8 +480,7 @@ fn sample<N: Size>(
         first,
         min(first + span, hi),
         1,
-        scales,
-        steps,
+        shift,
     );
     spans[unit] = sum;
     group_reduce(sum, partials, group_sums, unit);
@@ -517,7 +495,7 @@ fn sample<N: Size>(
     let mut picked = to;
     let mut last_positive = to - 1;
     for t in from..to {
-        let w = residual_at(target[row + t], draft[row + t], scales, steps);
+        let w = residual_at(target[row + t], draft[row + t], shift);
         if picked == to {
             running += w;
             if running > rest {
