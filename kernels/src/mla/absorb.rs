@@ -86,7 +86,9 @@ fn validate<R: Runtime>(
         kv_b,
         s.heads * (s.nope + s.v) * V_DIM / 2,
     )?;
-    check_index_space("absorbed query elements", rows * KV_DIM)?;
+    // The widest of the rows read or written: queries, absorbed queries, values.
+    let width = KV_DIM.max(s.nope + KV_DIM - V_DIM).max(s.v);
+    check_index_space("tokens x heads x row width", rows * width)?;
     let max = client.properties().hardware.max_cube_count.0 as usize;
     if rows == 0 || rows > max {
         return Err(KernelError::Range {

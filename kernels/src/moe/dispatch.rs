@@ -76,21 +76,21 @@ fn dispatch_kernel(
     }
 }
 
-/// Cube `e` counts the pairs routed to expert `e` (a count below 2^24, exact in f32).
+/// Cube `e` counts the pairs routed to expert `e`.
 #[cube(launch_unchecked)]
 fn count_kernel(experts: &Array<u32>, counts: &mut Array<u32>) {
     let e = CUBE_POS_X;
     let unit = UNIT_POS_X as usize;
-    let mut partials = SharedMemory::<f32>::new(UNITS as usize);
-    let mut c = 0.0f32;
+    let mut partials = SharedMemory::<u32>::new(UNITS as usize);
+    let mut c = 0u32;
     for a in range_stepped(unit, experts.len(), UNITS as usize) {
         if experts[a] == e {
-            c += 1.0;
+            c += 1;
         }
     }
     let total = cube_sum(c, &mut partials, unit, UNITS);
     if unit == 0 {
-        counts[e as usize] = u32::cast_from(total);
+        counts[e as usize] = total;
     }
 }
 
@@ -109,12 +109,12 @@ fn place_kernel(
     let e = CUBE_POS_X as usize;
     let unit = UNIT_POS_X as usize;
     let pairs = experts.len();
-    let mut partials = SharedMemory::<f32>::new(UNITS as usize);
-    let mut before = 0.0f32;
+    let mut partials = SharedMemory::<u32>::new(UNITS as usize);
+    let mut before = 0u32;
     for x in range_stepped(unit, e, UNITS as usize) {
-        before += f32::cast_from(counts[x]);
+        before += counts[x];
     }
-    let offset = u32::cast_from(cube_sum(before, &mut partials, unit, UNITS));
+    let offset = cube_sum(before, &mut partials, unit, UNITS);
     if unit == 0 {
         offsets[e] = offset;
         if e + 1 == CUBE_COUNT_X as usize {
@@ -183,14 +183,6 @@ pub fn dispatch<R: Runtime>(
     check_len("sources", &out.source, experts.len())?;
     if experts.is_empty() {
         return Ok(());
-    }
-    if experts.len() >= 1 << 24 {
-        return Err(KernelError::Range {
-            what: "routed pairs (counted exactly in f32)",
-            value: experts.len(),
-            min: 1,
-            max: (1 << 24) - 1,
-        });
     }
     // SAFETY: shapes validated; expert ids are trusted to be below `n_experts` (the router
     // writes them).
