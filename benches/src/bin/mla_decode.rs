@@ -331,20 +331,19 @@ mod decode {
             (64, 32768),
             (64, 49152),
         ];
-        // `mla_decode OUT.json fp8` runs the fp8 decode points alone, `... decode` the decode
-        // points of both formats; `... decode HEADS BATCH CONTEXT` only that shape (for a
-        // profiler).
+        // `mla_decode OUT.json fp8` runs the fp8 decode points alone, `... bf16` the bf16
+        // ones, `... decode` the decode points of both formats; `... decode HEADS BATCH
+        // CONTEXT` only that shape (for a profiler).
         let args: Vec<String> = std::env::args().collect();
         let mode = args.get(2).cloned().unwrap_or_default();
         let shape: Option<Vec<usize>> = (args.len() == 6)
             .then(|| args[3..].iter().map(|a| a.parse()).collect())
             .transpose()?;
-        let only_fp8 = mode == "fp8";
-        let decode_only = only_fp8 || mode == "decode";
-        let formats: &[KvFormat] = if only_fp8 {
-            &[KvFormat::Fp8]
-        } else {
-            &[KvFormat::Bf16, KvFormat::Fp8]
+        let decode_only = ["fp8", "bf16", "decode"].contains(&mode.as_str());
+        let formats: &[KvFormat] = match mode.as_str() {
+            "fp8" => &[KvFormat::Fp8],
+            "bf16" => &[KvFormat::Bf16],
+            _ => &[KvFormat::Bf16, KvFormat::Fp8],
         };
         for &format in formats {
             for heads in [16, 64] {

@@ -56,7 +56,7 @@ const FP8_ROW_VECS: usize = 41;
 const FP8_LOADS_PER_UNIT: usize = 11;
 /// Shared-memory stride of a KV row in 16-byte vectors: odd, so the 8 rows an `ldmatrix`
 /// reads fall in distinct bank groups.
-const KV_STRIDE: usize = 73;
+pub(super) const KV_STRIDE: usize = 73;
 /// Shared-memory stride of a weight row, in bf16 (80 bytes: 5 vectors, odd).
 const P_STRIDE: usize = 40;
 /// Shared-memory stride of a score row, in f32.
@@ -543,20 +543,50 @@ fn copy_chunk(
             }
         }
     } else {
-        #[unroll]
-        for j in 0..LOADS_PER_UNIT {
-            let idx = unit + j * UNITS as usize;
-            let r = idx / ROW_VECS;
-            let v = idx % ROW_VECS;
-            let src =
-                kv_row(block_table, table, min(c * 32 + r, last_pos), page_size) * ROW_VECS + v;
-            let dst = (buf * 32 + r) * KV_STRIDE + v;
-            copy_async(
-                &kv_vecs.slice(src, src + 1),
-                &mut kvs.slice_mut(dst, dst + 1),
-                8u32,
-            );
-        }
+        copy_bf16_chunk(
+            kv_vecs,
+            kvs,
+            buf,
+            block_table,
+            table,
+            c,
+            last_pos,
+            page_size,
+            unit,
+            UNITS as usize,
+        );
+    }
+}
+
+/// Starts the cp.async copies of bf16 chunk `c` into operand buffer `buf` of `kvs`: this
+/// unit's share of `units` (which divides the chunk's 32 x 72 vectors); positions past
+/// `last_pos` copy the last row.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn copy_bf16_chunk(
+    kv_vecs: &Array<Vector<bf16, Const<8>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    buf: usize,
+    block_table: &Array<u32>,
+    table: usize,
+    c: usize,
+    last_pos: usize,
+    page_size: usize,
+    unit: usize,
+    #[comptime] units: usize,
+) {
+    #[unroll]
+    for j in 0..comptime!(32 * ROW_VECS / units) {
+        let idx = unit + j * units;
+        let r = idx / ROW_VECS;
+        let v = idx % ROW_VECS;
+        let src = kv_row(block_table, table, min(c * 32 + r, last_pos), page_size) * ROW_VECS + v;
+        let dst = (buf * 32 + r) * KV_STRIDE + v;
+        copy_async(
+            &kv_vecs.slice(src, src + 1),
+            &mut kvs.slice_mut(dst, dst + 1),
+            8u32,
+        );
     }
 }
 

@@ -9,8 +9,10 @@
 //! page `block_table[b][p / page_size]`, slot `p % page_size`.
 //!
 //! Two kernels. Where the device has bf16 `mma.sync` (CUDA) and the KV cache is bf16 or fp8,
-//! both entry points run the tensor-core split-KV kernel (`mma.rs`: 16 query rows per cube,
-//! each KV row read once for them, long contexts spread over the SMs, a combine pass).
+//! both entry points run a tensor-core split-KV kernel (`mma.rs`: 16 query rows per cube,
+//! each KV row read once for them, long contexts spread over the SMs, a combine pass; for
+//! bf16 KV and 64+ rows per request, `wide.rs`: 64 rows per cube, all heads of a Kimi
+//! token on one KV read).
 //! Elsewhere (wgpu, f32 KV) the portable kernel (`kernel.rs`) runs with two tilings:
 //! [`mla_decode`] gives each query token its own cube, [`mla_prefill`] gives a cube a tile
 //! of [`PREFILL_TILE`] consecutive query tokens of one request so each KV row read serves the
@@ -24,6 +26,7 @@ mod absorb_mma;
 mod cache_write;
 mod kernel;
 mod mma;
+mod wide;
 
 use cubecl::prelude::*;
 
@@ -156,19 +159,27 @@ pub fn uses_tensor_cores<R: Runtime>(
         && crate::tensor_cores::has_bf16_mma(client)
 }
 
-/// Split count of the tensor-core kernel: enough cubes for two per SM, no split shorter
-/// than 4 chunks of the longest context.
-fn mma_splits<R: Runtime>(client: &ComputeClient<R>, cubes: usize, max_kv_len: usize) -> usize {
+/// Split count of a tensor-core kernel: about `per_sm` cubes per SM without a partial
+/// second wave, no split shorter than 4 chunks of the longest context.
+fn mma_splits<R: Runtime>(
+    client: &ComputeClient<R>,
+    cubes: usize,
+    per_sm: usize,
+    max_kv_len: usize,
+) -> usize {
     let sms = client
         .properties()
         .hardware
         .num_streaming_multiprocessors
         .unwrap_or(1) as usize;
     let chunks = max_kv_len.div_ceil(mma::CHUNK as usize).max(1);
-    (2 * sms)
-        .div_ceil(cubes)
-        .min(chunks.div_ceil(4))
-        .clamp(1, 1024)
+    (per_sm * sms / cubes).min(chunks.div_ceil(4)).clamp(1, 1024)
+}
+
+/// True when a launch takes the 64-row kernel: bf16 KV and at least 64 query rows in the
+/// longest request (64 heads, or a few tokens of fewer).
+fn uses_wide(format: KvFormat, heads: usize, max_q_len: usize) -> bool {
+    format == KvFormat::Bf16 && heads * max_q_len >= wide::ROWS as usize
 }
 
 /// Launches the tensor-core kernel (and the combine when it splits the KV).
@@ -181,8 +192,14 @@ fn launch_mma<R: Runtime>(
     softmax_scale: f32,
     out: &DeviceArray<f32>,
 ) {
-    let groups = (meta.max_q_len * heads).div_ceil(mma::ROWS as usize);
-    let splits = mma_splits(client, groups * meta.batch, meta.max_kv_len);
+    let wide = uses_wide(kv.format, heads, meta.max_q_len);
+    let (rows, per_sm) = if wide {
+        (wide::ROWS, 1)
+    } else {
+        (mma::ROWS, 2)
+    };
+    let groups = (meta.max_q_len * heads).div_ceil(rows as usize);
+    let splits = mma_splits(client, groups * meta.batch, per_sm, meta.max_kv_len);
     let total_rows = meta.num_tokens * heads;
     let (part_out, part_ml) = if splits > 1 {
         (
@@ -200,27 +217,50 @@ fn launch_mma<R: Runtime>(
         direct: splits == 1,
     };
     // SAFETY: validated shapes; the partial buffers hold `splits` copies of every row.
+    let grid = CubeCount::Static(groups as u32, splits as u32, meta.batch as u32);
     unsafe {
-        mma::mma_attention_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(groups as u32, splits as u32, meta.batch as u32),
-            CubeDim::new_1d(mma::UNITS),
-            q.arg(),
-            kv.data.arg(),
-            kv.data.arg(),
-            meta.block_table.arg(),
-            meta.cu_q_lens.arg(),
-            meta.kv_lens.arg(),
-            out.arg(),
-            part_out.arg(),
-            part_ml.arg(),
-            heads as u32,
-            meta.max_blocks as u32,
-            kv.page_size as u32,
-            total_rows as u32,
-            softmax_scale,
-            config,
-        );
+        if wide {
+            wide::wide_attention_kernel::launch_unchecked::<R>(
+                client,
+                grid,
+                CubeDim::new_1d(wide::UNITS),
+                q.arg(),
+                kv.data.arg(),
+                meta.block_table.arg(),
+                meta.cu_q_lens.arg(),
+                meta.kv_lens.arg(),
+                out.arg(),
+                part_out.arg(),
+                part_ml.arg(),
+                heads as u32,
+                meta.max_blocks as u32,
+                kv.page_size as u32,
+                total_rows as u32,
+                softmax_scale,
+                splits == 1,
+            );
+        } else {
+            mma::mma_attention_kernel::launch_unchecked::<R>(
+                client,
+                grid,
+                CubeDim::new_1d(mma::UNITS),
+                q.arg(),
+                kv.data.arg(),
+                kv.data.arg(),
+                meta.block_table.arg(),
+                meta.cu_q_lens.arg(),
+                meta.kv_lens.arg(),
+                out.arg(),
+                part_out.arg(),
+                part_ml.arg(),
+                heads as u32,
+                meta.max_blocks as u32,
+                kv.page_size as u32,
+                total_rows as u32,
+                softmax_scale,
+                config,
+            );
+        }
         if splits > 1 {
             mma::combine_kernel::launch_unchecked::<R>(
                 client,

@@ -1,0 +1,426 @@
+//! MLA attention on the tensor cores with [`ROWS`] = 64 query rows per cube: all 64 heads
+//! of a decode token (Kimi-K2), or several tokens of fewer heads. Where the 16-row kernel
+//! (`mma.rs`) runs 4 cubes over the same KV rows for 64 heads, each doing its own barriers
+//! and softmax per chunk, this cube reads a chunk once and feeds 4x the MMAs per barrier.
+//! bf16 KV only; the split-KV form, partial outputs and the combine pass are `mma.rs`'s.
+//!
+//! Per chunk of 32 KV positions (8 warps, 256 units):
+//! 1. the chunk's rows arrive in shared memory by cp.async, issued one chunk ahead;
+//! 2. warp `w` scores rows `32 (w / 4)..+32` (two 16-row tiles) over quarter `w % 4` of
+//!    the 576 dimensions (128 of the latent, 16 of the rope part) for all 32 positions,
+//!    its query fragments read from shared memory (the cube's queries, bf16, stored once:
+//!    64 rows x 576 would take 72 registers per unit next to the 128 of the output), and
+//!    stores the partial scores;
+//! 3. 4 units per row sum the quarters, mask causally, run the online softmax and write the
+//!    weights as bf16 and each row's rescale factor;
+//! 4. warp `w` rescales and adds weights x values for all 64 rows over output dimensions
+//!    `64 w..+64`, so each value fragment it loads feeds 4 MMAs (128 accumulators a unit).
+//!
+//! Rounding as in `mma.rs`: queries and softmax weights are rounded to bf16.
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+use half::bf16;
+
+use super::mma::{copy_bf16_chunk, KV_STRIDE};
+
+/// Query rows per cube.
+pub const ROWS: u32 = 64;
+/// Units per cube: 8 warps.
+pub const UNITS: u32 = 256;
+/// 16-byte vectors of bf16 per query or KV row (576 values).
+const ROW_VECS: usize = 72;
+/// Shared-memory stride of a query row in 16-byte vectors (odd, like [`KV_STRIDE`]).
+const Q_STRIDE: usize = 73;
+/// Shared-memory stride of a weight row in 16-byte vectors (80 bytes: the 8 rows an
+/// `ldmatrix` reads fall in distinct bank groups).
+const P_STRIDE: usize = 5;
+/// Shared-memory stride of a partial-score row, in f32.
+const S_STRIDE: usize = 33;
+/// Stands for minus infinity.
+const NEG_BIG: f32 = -3.0e38;
+
+type Frag = Vector<bf16, Const<2>>;
+type Acc = Vector<f32, Const<2>>;
+type Vec8 = Vector<bf16, Const<8>>;
+
+/// Grid: (64-row groups of the longest request, splits, batch); [`UNITS`] units.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn wide_attention_kernel(
+    q: &Array<f32>,
+    kv_vecs: &Array<Vec8>,
+    block_table: &Array<u32>,
+    cu_q_lens: &Array<u32>,
+    kv_lens: &Array<u32>,
+    out: &mut Array<f32>,
+    part_out: &mut Array<f32>,
+    part_ml: &mut Array<f32>,
+    heads: u32,
+    max_blocks: u32,
+    page_size: u32,
+    total_rows: u32,
+    softmax_scale: f32,
+    #[comptime] direct: bool,
+) {
+    let unit = UNIT_POS_X as usize;
+    let warp = unit / 32;
+    let lane = unit % 32;
+    let g = lane / 4;
+    let t = lane % 4;
+    let b = CUBE_POS_Z as usize;
+    let split = CUBE_POS_Y as usize;
+    let splits = CUBE_COUNT_Y as usize;
+    let heads = heads as usize;
+    let q_start = cu_q_lens[b] as usize;
+    let q_len = cu_q_lens[b + 1] as usize - q_start;
+    let kv_len = kv_lens[b] as usize;
+    let n_rows = q_len * heads;
+    let row0 = CUBE_POS_X as usize * 64;
+
+    if row0 < n_rows {
+        let rows_here = min(64usize, n_rows - row0);
+        let first_row = q_start * heads + row0;
+        let last_pos = kv_len - q_len + (row0 + rows_here - 1) / heads;
+        let chunks = last_pos / 32 + 1;
+        let c_begin = chunks * split / splits;
+        let c_end = chunks * (split + 1) / splits;
+        let table = b * max_blocks as usize;
+
+        let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+        let mut qs = SharedMemory::<Vec8>::new_aligned(64 * Q_STRIDE, 16usize);
+        let mut kvs = SharedMemory::<Vec8>::new_aligned(2 * 32 * KV_STRIDE, 16usize);
+        let mut ss = SharedMemory::<f32>::new(4 * 64 * S_STRIDE);
+        let mut ps = SharedMemory::<Vec8>::new_aligned(64 * P_STRIDE, 16usize);
+        let mut alpha_s = SharedMemory::<f32>::new(64usize);
+
+        // The cube's queries as bf16 (rows past the last are zero).
+        #[unroll]
+        for i in 0..comptime!(64 * ROW_VECS / 256) {
+            let idx = unit + i * 256;
+            let r = idx / ROW_VECS;
+            let v = idx % ROW_VECS;
+            let mut vec = Vec8::empty();
+            #[unroll]
+            for e in 0..8usize {
+                vec[e] = bf16::cast_from(0.0f32);
+            }
+            if r < rows_here {
+                let base = (first_row + r) * 576 + v * 8;
+                #[unroll]
+                for e in 0..8usize {
+                    vec[e] = bf16::cast_from(q[base + e]);
+                }
+            }
+            qs[r * Q_STRIDE + v] = vec;
+        }
+
+        // Output accumulators: 4 row tiles x 8 n-tiles x (rows g, g + 8).
+        let mut acc = Array::<Acc>::new(64usize);
+        #[unroll]
+        for i in 0..64usize {
+            acc[i] = Acc::new(0.0);
+        }
+        // The softmax state of row `unit / 4` (its 4 units agree on it).
+        let srow = unit / 4;
+        let part = unit % 4;
+        let row_valid = srow < rows_here;
+        let row_pos = kv_len - q_len + (row0 + srow) / heads;
+        let mut m_run = f32::new(NEG_BIG);
+        let mut l_run = 0.0f32;
+        // The score work of this warp: row tiles 2 rh, 2 rh + 1; dimension quarter kq.
+        let rh = warp / 4;
+        let kq = warp % 4;
+
+        let bar_a = Barrier::shared(UNITS, unit == 0);
+        let bar_b = Barrier::shared(UNITS, unit == 0);
+        if c_begin < c_end {
+            copy_bf16_chunk(
+                kv_vecs,
+                &mut kvs,
+                0,
+                block_table,
+                table,
+                c_begin,
+                last_pos,
+                page_size as usize,
+                unit,
+                UNITS as usize,
+            );
+            bar_a.commit_copy_async();
+        }
+        for c in c_begin..c_end {
+            // 1. This chunk's rows in shared memory, the next chunk's copy under way.
+            let buf = (c - c_begin) % 2;
+            if c + 1 < c_end {
+                copy_bf16_chunk(
+                    kv_vecs,
+                    &mut kvs,
+                    1 - buf,
+                    block_table,
+                    table,
+                    c + 1,
+                    last_pos,
+                    page_size as usize,
+                    unit,
+                    UNITS as usize,
+                );
+                if buf == 0 {
+                    bar_b.commit_copy_async();
+                } else {
+                    bar_a.commit_copy_async();
+                }
+            }
+            if buf == 0 {
+                bar_a.arrive_and_wait();
+            } else {
+                bar_b.arrive_and_wait();
+            }
+            let kb = buf * 32 * KV_STRIDE;
+
+            // 2. Partial scores: 2 row tiles x 4 n-tiles over this warp's quarter, in 4
+            // pairs of latent k-steps and one rope k-step.
+            let mut s = Array::<Acc>::new(16usize);
+            #[unroll]
+            for i in 0..16usize {
+                s[i] = Acc::new(0.0);
+            }
+            #[unroll]
+            for jp in 0..5usize {
+                let steps = comptime!(if jp < 4 { 2usize } else { 1usize });
+                let mut vec0 = 64usize + kq * 2;
+                if comptime!(jp < 4) {
+                    vec0 = kq * 16 + jp * 4;
+                }
+                // A fragments [k-step][row tile], 4 registers each.
+                let mut a = Array::<Frag>::new(16usize);
+                #[unroll]
+                for kk in 0..steps {
+                    #[unroll]
+                    for rt in 0..2usize {
+                        let qrow = (rh * 2 + rt) * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+                        let at = qrow * Q_STRIDE + vec0 + kk * 2 + lane / 16;
+                        let m = mma.load_matrix::<Vec8, Const<2>>(
+                            &qs.slice(at, at + 1),
+                            cmma::MatrixIdent::A,
+                            4usize,
+                            false,
+                        );
+                        #[unroll]
+                        for r in 0..4usize {
+                            a[(kk * 2 + rt) * 4 + r] = m[r];
+                        }
+                    }
+                }
+                #[unroll]
+                for nt in 0..4usize {
+                    // B fragments of positions nt * 8.., one 8 x 8 matrix per 8 dimensions.
+                    let mut kf = Array::<Frag>::new(4usize);
+                    if comptime!(jp < 4) {
+                        let at = kb + (nt * 8 + lane % 8) * KV_STRIDE + vec0 + lane / 8;
+                        let m = mma.load_matrix::<Vec8, Const<2>>(
+                            &kvs.slice(at, at + 1),
+                            cmma::MatrixIdent::B,
+                            4usize,
+                            false,
+                        );
+                        #[unroll]
+                        for r in 0..4usize {
+                            kf[r] = m[r];
+                        }
+                    } else {
+                        let at = kb + (nt * 8 + lane % 8) * KV_STRIDE + vec0 + (lane / 8) % 2;
+                        let m = mma.load_matrix::<Vec8, Const<2>>(
+                            &kvs.slice(at, at + 1),
+                            cmma::MatrixIdent::B,
+                            2usize,
+                            false,
+                        );
+                        kf[0] = m[0];
+                        kf[1] = m[1];
+                    }
+                    #[unroll]
+                    for kk in 0..steps {
+                        let mut bfrag = Array::<Frag>::new(2usize);
+                        bfrag[0] = kf[kk * 2];
+                        bfrag[1] = kf[kk * 2 + 1];
+                        #[unroll]
+                        for rt in 0..2usize {
+                            let mut af = Array::<Frag>::new(4usize);
+                            #[unroll]
+                            for r in 0..4usize {
+                                af[r] = a[(kk * 2 + rt) * 4 + r];
+                            }
+                            let i = (rt * 4 + nt) * 2;
+                            let mut c_frag = Array::<Acc>::new(2usize);
+                            c_frag[0] = s[i];
+                            c_frag[1] = s[i + 1];
+                            mma.execute_inplace(&af, &bfrag, &mut c_frag);
+                            s[i] = c_frag[0];
+                            s[i + 1] = c_frag[1];
+                        }
+                    }
+                }
+            }
+            #[unroll]
+            for rt in 0..2usize {
+                #[unroll]
+                for nt in 0..4usize {
+                    #[unroll]
+                    for half in 0..2usize {
+                        let row = (rh * 2 + rt) * 16 + g + half * 8;
+                        let at = (kq * 64 + row) * S_STRIDE + nt * 8 + 2 * t;
+                        let v = s[(rt * 4 + nt) * 2 + half];
+                        ss[at] = v[0];
+                        ss[at + 1] = v[1];
+                    }
+                }
+            }
+            sync_cube();
+
+            // 3. Online softmax: 4 units per row, 8 positions each.
+            let mut sv = Array::<f32>::new(8usize);
+            let mut local_max = f32::new(NEG_BIG);
+            #[unroll]
+            for e in 0..8usize {
+                let col = part * 8 + e;
+                let at = srow * S_STRIDE + col;
+                let score = (ss[at]
+                    + ss[at + 64 * S_STRIDE]
+                    + ss[at + 128 * S_STRIDE]
+                    + ss[at + 192 * S_STRIDE])
+                    * softmax_scale;
+                let visible = row_valid && c * 32 + col <= row_pos;
+                sv[e] = select(visible, score, NEG_BIG);
+                local_max = max(local_max, sv[e]);
+            }
+            local_max = max(local_max, plane_shuffle_xor(local_max, 1));
+            local_max = max(local_max, plane_shuffle_xor(local_max, 2));
+            let m_new = max(m_run, local_max);
+            let alpha = (m_run - m_new).exp();
+            let mut local_sum = 0.0f32;
+            let mut weights = Vec8::empty();
+            #[unroll]
+            for e in 0..8usize {
+                let p = select(sv[e] > NEG_BIG, (sv[e] - m_new).exp(), 0.0);
+                local_sum += p;
+                weights[e] = bf16::cast_from(p);
+            }
+            ps[srow * P_STRIDE + part] = weights;
+            local_sum += plane_shuffle_xor(local_sum, 1);
+            local_sum += plane_shuffle_xor(local_sum, 2);
+            l_run = l_run * alpha + local_sum;
+            m_run = m_new;
+            if part == 0 {
+                alpha_s[srow] = alpha;
+            }
+            sync_cube();
+
+            // 4. Rescale, then add weights x values for all rows over this warp's 64
+            // output dimensions.
+            #[unroll]
+            for rt in 0..4usize {
+                let a_lo = Acc::new(alpha_s[rt * 16 + g]);
+                let a_hi = Acc::new(alpha_s[rt * 16 + g + 8]);
+                #[unroll]
+                for n in 0..8usize {
+                    let i = (rt * 8 + n) * 2;
+                    acc[i] = acc[i] * a_lo;
+                    acc[i + 1] = acc[i + 1] * a_hi;
+                }
+            }
+            #[unroll]
+            for kk in 0..2usize {
+                let mut pa = Array::<Frag>::new(16usize);
+                #[unroll]
+                for rt in 0..4usize {
+                    let prow = rt * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+                    let at = prow * P_STRIDE + kk * 2 + lane / 16;
+                    let m = mma.load_matrix::<Vec8, Const<2>>(
+                        &ps.slice(at, at + 1),
+                        cmma::MatrixIdent::A,
+                        4usize,
+                        false,
+                    );
+                    #[unroll]
+                    for r in 0..4usize {
+                        pa[rt * 4 + r] = m[r];
+                    }
+                }
+                #[unroll]
+                for np in 0..4usize {
+                    let kv_r = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+                    let vat = kb + kv_r * KV_STRIDE + warp * 8 + np * 2 + lane / 16;
+                    let vb = mma.load_matrix::<Vec8, Const<2>>(
+                        &kvs.slice(vat, vat + 1),
+                        cmma::MatrixIdent::B,
+                        4usize,
+                        true,
+                    );
+                    #[unroll]
+                    for half in 0..2usize {
+                        let mut bfrag = Array::<Frag>::new(2usize);
+                        bfrag[0] = vb[half * 2];
+                        bfrag[1] = vb[half * 2 + 1];
+                        let n = np * 2 + half;
+                        #[unroll]
+                        for rt in 0..4usize {
+                            let mut af = Array::<Frag>::new(4usize);
+                            #[unroll]
+                            for r in 0..4usize {
+                                af[r] = pa[rt * 4 + r];
+                            }
+                            let i = (rt * 8 + n) * 2;
+                            let mut c_frag = Array::<Acc>::new(2usize);
+                            c_frag[0] = acc[i];
+                            c_frag[1] = acc[i + 1];
+                            mma.execute_inplace(&af, &bfrag, &mut c_frag);
+                            acc[i] = c_frag[0];
+                            acc[i + 1] = c_frag[1];
+                        }
+                    }
+                }
+            }
+            sync_cube();
+        }
+
+        // Each row's (max, sum) for the warps, and for the combine.
+        let mut ml_s = SharedMemory::<f32>::new(128usize);
+        if part == 0 {
+            ml_s[srow * 2] = m_run;
+            ml_s[srow * 2 + 1] = l_run;
+            if !direct && row_valid {
+                let at = (split * total_rows as usize + first_row + srow) * 2;
+                part_ml[at] = m_run;
+                part_ml[at + 1] = l_run;
+            }
+        }
+        sync_cube();
+        #[unroll]
+        for rt in 0..4usize {
+            #[unroll]
+            for half in 0..2usize {
+                let r = rt * 16 + g + half * 8;
+                if r < rows_here {
+                    let mut scale = Acc::new(1.0);
+                    if direct {
+                        scale = Acc::new(1.0 / ml_s[r * 2 + 1]);
+                    }
+                    let dst_row =
+                        select(direct, first_row + r, split * total_rows as usize + first_row + r);
+                    #[unroll]
+                    for n in 0..8usize {
+                        let v = acc[(rt * 8 + n) * 2 + half] * scale;
+                        let d = dst_row * 512 + warp * 64 + n * 8 + 2 * t;
+                        if direct {
+                            out[d] = v[0];
+                            out[d + 1] = v[1];
+                        } else {
+                            part_out[d] = v[0];
+                            part_out[d + 1] = v[1];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
