@@ -543,10 +543,7 @@ fn copy_chunk(
             }
         }
     } else {
-        copy_bf16_chunk(
-            kv_vecs,
-            kvs,
-            buf,
+        let row = chunk_row(
             block_table,
             table,
             c,
@@ -555,18 +552,15 @@ fn copy_chunk(
             unit,
             UNITS as usize,
         );
+        copy_bf16_row(kv_vecs, kvs, buf, row, unit, UNITS as usize);
     }
 }
 
-/// Starts the cp.async copies of bf16 chunk `c` into operand buffer `buf` of `kvs`: this
-/// unit's share of `units` (which divides the chunk's 32 x 72 vectors); positions past
-/// `last_pos` copy the last row.
+/// The cache row this unit copies in bf16 chunk `c` (see [`copy_bf16_row`]): position
+/// `c * 32 + unit / (units / 32)`, or `last_pos` past it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn copy_bf16_chunk(
-    kv_vecs: &Array<Vector<bf16, Const<8>>>,
-    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
-    buf: usize,
+pub(super) fn chunk_row(
     block_table: &Array<u32>,
     table: usize,
     c: usize,
@@ -574,17 +568,32 @@ pub(super) fn copy_bf16_chunk(
     page_size: usize,
     unit: usize,
     #[comptime] units: usize,
+) -> usize {
+    let r = unit / comptime!(units / 32);
+    kv_row(block_table, table, min(c * 32 + r, last_pos), page_size)
+}
+
+/// Starts this unit's cp.async copies of a bf16 chunk into operand buffer `buf` of `kvs`:
+/// with `units` (a multiple of 32 dividing 32 x 72), unit `u` copies every `units / 32`-th
+/// vector of the chunk's row `u / (units / 32)`, which is cache row `cache_row`.
+#[cube]
+pub(super) fn copy_bf16_row(
+    kv_vecs: &Array<Vector<bf16, Const<8>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    buf: usize,
+    cache_row: usize,
+    unit: usize,
+    #[comptime] units: usize,
 ) {
+    let per_row = comptime!(units / 32);
+    let src = cache_row * ROW_VECS;
+    let dst = (buf * 32 + unit / per_row) * KV_STRIDE;
     #[unroll]
-    for j in 0..comptime!(32 * ROW_VECS / units) {
-        let idx = unit + j * units;
-        let r = idx / ROW_VECS;
-        let v = idx % ROW_VECS;
-        let src = kv_row(block_table, table, min(c * 32 + r, last_pos), page_size) * ROW_VECS + v;
-        let dst = (buf * 32 + r) * KV_STRIDE + v;
+    for j in 0..comptime!(ROW_VECS / per_row) {
+        let v = unit % per_row + j * per_row;
         copy_async(
-            &kv_vecs.slice(src, src + 1),
-            &mut kvs.slice_mut(dst, dst + 1),
+            &kv_vecs.slice(src + v, src + v + 1),
+            &mut kvs.slice_mut(dst + v, dst + v + 1),
             8u32,
         );
     }

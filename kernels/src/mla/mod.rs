@@ -160,11 +160,12 @@ pub fn uses_tensor_cores<R: Runtime>(
 }
 
 /// Split count of a tensor-core kernel: about `per_sm` cubes per SM without a partial
-/// second wave, no split shorter than 4 chunks of the longest context.
+/// second wave, no split shorter than `min_chunks` chunks of the longest context.
 fn mma_splits<R: Runtime>(
     client: &ComputeClient<R>,
     cubes: usize,
     per_sm: usize,
+    min_chunks: usize,
     max_kv_len: usize,
 ) -> usize {
     let sms = client
@@ -173,7 +174,9 @@ fn mma_splits<R: Runtime>(
         .num_streaming_multiprocessors
         .unwrap_or(1) as usize;
     let chunks = max_kv_len.div_ceil(mma::CHUNK as usize).max(1);
-    (per_sm * sms / cubes).min(chunks.div_ceil(4)).clamp(1, 1024)
+    (per_sm * sms / cubes)
+        .min(chunks.div_ceil(min_chunks))
+        .clamp(1, 1024)
 }
 
 /// True when a launch takes the 64-row kernel: bf16 KV and at least 64 query rows in the
@@ -193,13 +196,19 @@ fn launch_mma<R: Runtime>(
     out: &DeviceArray<f32>,
 ) {
     let wide = uses_wide(kv.format, heads, meta.max_q_len);
-    let (rows, per_sm) = if wide {
-        (wide::ROWS, 1)
+    let (rows, per_sm, min_chunks) = if wide {
+        (wide::ROWS, 1, 2)
     } else {
-        (mma::ROWS, 2)
+        (mma::ROWS, 2, 4)
     };
     let groups = (meta.max_q_len * heads).div_ceil(rows as usize);
-    let splits = mma_splits(client, groups * meta.batch, per_sm, meta.max_kv_len);
+    let splits = mma_splits(
+        client,
+        groups * meta.batch,
+        per_sm,
+        min_chunks,
+        meta.max_kv_len,
+    );
     let total_rows = meta.num_tokens * heads;
     let (part_out, part_ml) = if splits > 1 {
         (

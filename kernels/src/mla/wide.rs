@@ -21,7 +21,7 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::mma::{copy_bf16_chunk, KV_STRIDE};
+use super::mma::{chunk_row, copy_bf16_row, KV_STRIDE};
 
 /// Query rows per cube.
 pub const ROWS: u32 = 64;
@@ -34,8 +34,9 @@ const Q_STRIDE: usize = 73;
 /// Shared-memory stride of a weight row in 16-byte vectors (80 bytes: the 8 rows an
 /// `ldmatrix` reads fall in distinct bank groups).
 const P_STRIDE: usize = 5;
-/// Shared-memory stride of a partial-score row, in f32.
-const S_STRIDE: usize = 33;
+/// Shared-memory stride of a partial-score row, in pairs of f32 (34 words: the 4 pairs
+/// a softmax unit reads per row fall in distinct banks across its half-warp).
+const S_STRIDE: usize = 17;
 /// Stands for minus infinity.
 const NEG_BIG: f32 = -3.0e38;
 
@@ -43,11 +44,15 @@ type Frag = Vector<bf16, Const<2>>;
 type Acc = Vector<f32, Const<2>>;
 type Vec8 = Vector<bf16, Const<8>>;
 
-/// Grid: (64-row groups of the longest request, splits, batch); [`UNITS`] units.
-#[cube(launch_unchecked)]
+/// Grid: (64-row groups of the longest request, splits, batch); [`UNITS`] units. Fast
+/// `exp` (`__expf`): its error is far below the bf16 rounding of the weights it feeds.
+#[cube(
+    launch_unchecked,
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
 #[allow(clippy::too_many_arguments)]
 pub fn wide_attention_kernel(
-    q: &Array<f32>,
+    q: &Array<Vector<f32, Const<4>>>,
     kv_vecs: &Array<Vec8>,
     block_table: &Array<u32>,
     cu_q_lens: &Array<u32>,
@@ -89,7 +94,7 @@ pub fn wide_attention_kernel(
         let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
         let mut qs = SharedMemory::<Vec8>::new_aligned(64 * Q_STRIDE, 16usize);
         let mut kvs = SharedMemory::<Vec8>::new_aligned(2 * 32 * KV_STRIDE, 16usize);
-        let mut ss = SharedMemory::<f32>::new(4 * 64 * S_STRIDE);
+        let mut ss = SharedMemory::<Acc>::new(4 * 64 * S_STRIDE);
         let mut ps = SharedMemory::<Vec8>::new_aligned(64 * P_STRIDE, 16usize);
         let mut alpha_s = SharedMemory::<f32>::new(64usize);
 
@@ -105,10 +110,14 @@ pub fn wide_attention_kernel(
                 vec[e] = bf16::cast_from(0.0f32);
             }
             if r < rows_here {
-                let base = (first_row + r) * 576 + v * 8;
+                let base = (first_row + r) * 144 + v * 2;
                 #[unroll]
-                for e in 0..8usize {
-                    vec[e] = bf16::cast_from(q[base + e]);
+                for h in 0..2usize {
+                    let x = q[base + h];
+                    #[unroll]
+                    for e in 0..4usize {
+                        vec[h * 4 + e] = bf16::cast_from(x[e]);
+                    }
                 }
             }
             qs[r * Q_STRIDE + v] = vec;
@@ -131,49 +140,35 @@ pub fn wide_attention_kernel(
         let rh = warp / 4;
         let kq = warp % 4;
 
+        // Rows are copied with cp.async one chunk ahead, each unit's cache row looked up a
+        // chunk before its copy. Waiting for a chunk is also the barrier after the previous
+        // chunk's last reads, so the copy into the other buffer starts after it.
         let bar_a = Barrier::shared(UNITS, unit == 0);
         let bar_b = Barrier::shared(UNITS, unit == 0);
+        let page_size = page_size as usize;
+        let units = comptime!(UNITS as usize);
+        let mut next_row = chunk_row(block_table, table, c_begin, last_pos, page_size, unit, units);
         if c_begin < c_end {
-            copy_bf16_chunk(
-                kv_vecs,
-                &mut kvs,
-                0,
-                block_table,
-                table,
-                c_begin,
-                last_pos,
-                page_size as usize,
-                unit,
-                UNITS as usize,
-            );
+            copy_bf16_row(kv_vecs, &mut kvs, 0, next_row, unit, units);
             bar_a.commit_copy_async();
+            next_row = chunk_row(block_table, table, c_begin + 1, last_pos, page_size, unit, units);
         }
         for c in c_begin..c_end {
-            // 1. This chunk's rows in shared memory, the next chunk's copy under way.
+            // 1. This chunk's rows in shared memory, then the next chunk's copy.
             let buf = (c - c_begin) % 2;
+            if buf == 0 {
+                bar_a.arrive_and_wait();
+            } else {
+                bar_b.arrive_and_wait();
+            }
             if c + 1 < c_end {
-                copy_bf16_chunk(
-                    kv_vecs,
-                    &mut kvs,
-                    1 - buf,
-                    block_table,
-                    table,
-                    c + 1,
-                    last_pos,
-                    page_size as usize,
-                    unit,
-                    UNITS as usize,
-                );
+                copy_bf16_row(kv_vecs, &mut kvs, 1 - buf, next_row, unit, units);
                 if buf == 0 {
                     bar_b.commit_copy_async();
                 } else {
                     bar_a.commit_copy_async();
                 }
-            }
-            if buf == 0 {
-                bar_a.arrive_and_wait();
-            } else {
-                bar_b.arrive_and_wait();
+                next_row = chunk_row(block_table, table, c + 2, last_pos, page_size, unit, units);
             }
             let kb = buf * 32 * KV_STRIDE;
 
@@ -268,10 +263,7 @@ pub fn wide_attention_kernel(
                     #[unroll]
                     for half in 0..2usize {
                         let row = (rh * 2 + rt) * 16 + g + half * 8;
-                        let at = (kq * 64 + row) * S_STRIDE + nt * 8 + 2 * t;
-                        let v = s[(rt * 4 + nt) * 2 + half];
-                        ss[at] = v[0];
-                        ss[at + 1] = v[1];
+                        ss[(kq * 64 + row) * S_STRIDE + nt * 4 + t] = s[(rt * 4 + nt) * 2 + half];
                     }
                 }
             }
@@ -281,17 +273,17 @@ pub fn wide_attention_kernel(
             let mut sv = Array::<f32>::new(8usize);
             let mut local_max = f32::new(NEG_BIG);
             #[unroll]
-            for e in 0..8usize {
-                let col = part * 8 + e;
-                let at = srow * S_STRIDE + col;
-                let score = (ss[at]
-                    + ss[at + 64 * S_STRIDE]
-                    + ss[at + 128 * S_STRIDE]
-                    + ss[at + 192 * S_STRIDE])
-                    * softmax_scale;
-                let visible = row_valid && c * 32 + col <= row_pos;
-                sv[e] = select(visible, score, NEG_BIG);
-                local_max = max(local_max, sv[e]);
+            for e in 0..4usize {
+                let at = srow * S_STRIDE + part * 4 + e;
+                let pair = (ss[at] + ss[at + 64 * S_STRIDE])
+                    + (ss[at + 128 * S_STRIDE] + ss[at + 192 * S_STRIDE]);
+                #[unroll]
+                for h in 0..2usize {
+                    let col = part * 8 + e * 2 + h;
+                    let visible = row_valid && c * 32 + col <= row_pos;
+                    sv[e * 2 + h] = select(visible, pair[h] * softmax_scale, NEG_BIG);
+                    local_max = max(local_max, sv[e * 2 + h]);
+                }
             }
             local_max = max(local_max, plane_shuffle_xor(local_max, 1));
             local_max = max(local_max, plane_shuffle_xor(local_max, 2));
@@ -315,17 +307,27 @@ pub fn wide_attention_kernel(
             }
             sync_cube();
 
-            // 4. Rescale, then add weights x values for all rows over this warp's 64
-            // output dimensions.
+            // 4. Rescale (skipped when no row of the warp's fragments has a new maximum:
+            // then every factor is exactly 1), then add weights x values for all rows over
+            // this warp's 64 output dimensions.
+            let mut alphas = Array::<f32>::new(8usize);
+            let mut unchanged = true;
             #[unroll]
-            for rt in 0..4usize {
-                let a_lo = Acc::new(alpha_s[rt * 16 + g]);
-                let a_hi = Acc::new(alpha_s[rt * 16 + g + 8]);
+            for i in 0..8usize {
+                alphas[i] = alpha_s[(i / 2) * 16 + g + (i % 2) * 8];
+                unchanged = unchanged && alphas[i] == 1.0;
+            }
+            if !plane_all(unchanged) {
                 #[unroll]
-                for n in 0..8usize {
-                    let i = (rt * 8 + n) * 2;
-                    acc[i] = acc[i] * a_lo;
-                    acc[i + 1] = acc[i + 1] * a_hi;
+                for rt in 0..4usize {
+                    let a_lo = Acc::new(alphas[rt * 2]);
+                    let a_hi = Acc::new(alphas[rt * 2 + 1]);
+                    #[unroll]
+                    for n in 0..8usize {
+                        let i = (rt * 8 + n) * 2;
+                        acc[i] = acc[i] * a_lo;
+                        acc[i + 1] = acc[i + 1] * a_hi;
+                    }
                 }
             }
             #[unroll]
@@ -380,7 +382,6 @@ pub fn wide_attention_kernel(
                     }
                 }
             }
-            sync_cube();
         }
 
         // Each row's (max, sum) for the warps, and for the combine.
