@@ -48,12 +48,8 @@ pub const CHUNK: u32 = 32;
 pub const UNITS: u32 = 128;
 /// 16-byte vectors of bf16 per KV row (576 values).
 const ROW_VECS: usize = 72;
-/// 16-byte vectors each unit copies per chunk: 32 rows x 72 / 128 units.
-const LOADS_PER_UNIT: usize = 18;
 /// 16-byte vectors of an fp8 row (656 bytes).
-const FP8_ROW_VECS: usize = 41;
-/// fp8 vectors each unit copies per chunk: 32 rows x 41 / 128 units, rounded up.
-const FP8_LOADS_PER_UNIT: usize = 11;
+pub(super) const FP8_ROW_VECS: usize = 41;
 /// Shared-memory stride of a KV row in 16-byte vectors: odd, so the 8 rows an `ldmatrix`
 /// reads fall in distinct bank groups.
 pub(super) const KV_STRIDE: usize = 73;
@@ -215,7 +211,7 @@ pub fn mma_attention_kernel(
             bar_a.commit_copy_async();
             if fp8 {
                 bar_a.arrive_and_wait();
-                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 0, unit);
+                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 0, unit, UNITS as usize);
                 sync_cube();
                 if c_begin + 1 < c_end {
                     copy_chunk(
@@ -435,7 +431,7 @@ pub fn mma_attention_kernel(
             // staging, start the copy of the chunk after.
             if fp8 && c + 1 < c_end {
                 bar_a.arrive_and_wait();
-                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 1 - buf, unit);
+                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 1 - buf, unit, UNITS as usize);
             }
             sync_cube();
             if fp8 && c + 2 < c_end {
@@ -525,23 +521,17 @@ fn copy_chunk(
     #[comptime] format: KvFormat,
 ) {
     if comptime!(format == KvFormat::Fp8) {
-        #[unroll]
-        for j in 0..FP8_LOADS_PER_UNIT {
-            let idx = unit + j * UNITS as usize;
-            if idx < 32 * FP8_ROW_VECS {
-                let r = idx / FP8_ROW_VECS;
-                let v = idx % FP8_ROW_VECS;
-                let src = kv_row(block_table, table, min(c * 32 + r, last_pos), page_size)
-                    * FP8_ROW_VECS
-                    + v;
-                let dst = r * FP8_ROW_VECS + v;
-                copy_async(
-                    &kv_raw.slice(src, src + 1),
-                    &mut staging.slice_mut(dst, dst + 1),
-                    4u32,
-                );
-            }
-        }
+        copy_fp8_chunk(
+            kv_raw,
+            staging,
+            block_table,
+            table,
+            c,
+            last_pos,
+            page_size,
+            unit,
+            UNITS as usize,
+        );
     } else {
         let row = chunk_row(
             block_table,
@@ -553,6 +543,39 @@ fn copy_chunk(
             UNITS as usize,
         );
         copy_bf16_row(kv_vecs, kvs, buf, row, unit, UNITS as usize);
+    }
+}
+
+/// Starts this unit's share (of `units`) of the cp.async copies of fp8 chunk `c` (32 rows
+/// of 41 vectors of 16 bytes) into `staging`; positions past `last_pos` copy the last row.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn copy_fp8_chunk(
+    kv_raw: &Array<Vector<u32, Const<4>>>,
+    staging: &mut SharedMemory<Vector<u32, Const<4>>>,
+    block_table: &Array<u32>,
+    table: usize,
+    c: usize,
+    last_pos: usize,
+    page_size: usize,
+    unit: usize,
+    #[comptime] units: usize,
+) {
+    #[unroll]
+    for j in 0..comptime!((32 * FP8_ROW_VECS).div_ceil(units)) {
+        let idx = unit + j * units;
+        if idx < 32 * FP8_ROW_VECS {
+            let r = idx / FP8_ROW_VECS;
+            let v = idx % FP8_ROW_VECS;
+            let src =
+                kv_row(block_table, table, min(c * 32 + r, last_pos), page_size) * FP8_ROW_VECS + v;
+            let dst = r * FP8_ROW_VECS + v;
+            copy_async(
+                &kv_raw.slice(src, src + 1),
+                &mut staging.slice_mut(dst, dst + 1),
+                4u32,
+            );
+        }
     }
 }
 
@@ -603,20 +626,22 @@ pub(super) fn copy_bf16_row(
 /// values each) into operand buffer `buf`, exactly: each code pair becomes `code * 2^-120`
 /// by moving bits (subnormal in bf16 where needed), then one bf16x2 multiply by `2^120`;
 /// dimensions land as (0, 2, 1, 3) per 4. The scales go to `scale_s[buf]`.
+/// `units` divides the chunk's 32 x 72 vectors.
 #[cube]
-fn decode_fp8_chunk(
+pub(super) fn decode_fp8_chunk(
     staging: &SharedMemory<Vector<u32, Const<4>>>,
     kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
     scale_s: &mut SharedMemory<f32>,
     buf: usize,
     unit: usize,
+    #[comptime] units: usize,
 ) {
     // A runtime value (`unit < 2^31`): CubeCL 0.10 bit-casts through `reinterpret_cast<T&>`,
     // which a literal cannot bind to.
     let two_pow_120 = Frag::reinterpret(TWO_POW_120_BF16X2 | (unit as u32 >> 31));
     #[unroll]
-    for j in 0..LOADS_PER_UNIT {
-        let idx = unit + j * UNITS as usize;
+    for j in 0..comptime!(32 * ROW_VECS / units) {
+        let idx = unit + j * units;
         let r = idx / ROW_VECS;
         let v = idx % ROW_VECS;
         let row = r * FP8_ROW_VECS;

@@ -11,8 +11,8 @@
 //! Two kernels. Where the device has bf16 `mma.sync` (CUDA) and the KV cache is bf16 or fp8,
 //! both entry points run a tensor-core split-KV kernel (`mma.rs`: 16 query rows per cube,
 //! each KV row read once for them, long contexts spread over the SMs, a combine pass; for
-//! bf16 KV and 64+ rows per request, `wide.rs`: 64 rows per cube, all heads of a Kimi
-//! token on one KV read).
+//! 64+ rows per request, `wide.rs`: 64 rows per cube, all heads of a Kimi token on one KV
+//! read).
 //! Elsewhere (wgpu, f32 KV) the portable kernel (`kernel.rs`) runs with two tilings:
 //! [`mla_decode`] gives each query token its own cube, [`mla_prefill`] gives a cube a tile
 //! of [`PREFILL_TILE`] consecutive query tokens of one request so each KV row read serves the
@@ -179,10 +179,10 @@ fn mma_splits<R: Runtime>(
         .clamp(1, 1024)
 }
 
-/// True when a launch takes the 64-row kernel: bf16 KV and at least 64 query rows in the
-/// longest request (64 heads, or a few tokens of fewer).
-fn uses_wide(format: KvFormat, heads: usize, max_q_len: usize) -> bool {
-    format == KvFormat::Bf16 && heads * max_q_len >= wide::ROWS as usize
+/// True when a launch takes the 64-row kernel: at least 64 query rows in the longest
+/// request (64 heads, or a few tokens of fewer).
+fn uses_wide(heads: usize, max_q_len: usize) -> bool {
+    heads * max_q_len >= wide::ROWS as usize
 }
 
 /// Launches the tensor-core kernel (and the combine when it splits the KV).
@@ -195,7 +195,7 @@ fn launch_mma<R: Runtime>(
     softmax_scale: f32,
     out: &DeviceArray<f32>,
 ) {
-    let wide = uses_wide(kv.format, heads, meta.max_q_len);
+    let wide = uses_wide(heads, meta.max_q_len);
     let (rows, per_sm, min_chunks) = if wide {
         (wide::ROWS, 1, 2)
     } else {
@@ -235,6 +235,7 @@ fn launch_mma<R: Runtime>(
                 CubeDim::new_1d(wide::UNITS),
                 q.arg(),
                 kv.data.arg(),
+                kv.data.arg(),
                 meta.block_table.arg(),
                 meta.cu_q_lens.arg(),
                 meta.kv_lens.arg(),
@@ -246,7 +247,7 @@ fn launch_mma<R: Runtime>(
                 kv.page_size as u32,
                 total_rows as u32,
                 softmax_scale,
-                splits == 1,
+                config,
             );
         } else {
             mma::mma_attention_kernel::launch_unchecked::<R>(

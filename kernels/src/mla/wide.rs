@@ -2,7 +2,9 @@
 //! of a decode token (Kimi-K2), or several tokens of fewer heads. Where the 16-row kernel
 //! (`mma.rs`) runs 4 cubes over the same KV rows for 64 heads, each doing its own barriers
 //! and softmax per chunk, this cube reads a chunk once and feeds 4x the MMAs per barrier.
-//! bf16 KV only; the split-KV form, partial outputs and the combine pass are `mma.rs`'s.
+//! The split-KV form, partial outputs, the combine pass and the exact fp8 decode (codes
+//! moved into bf16, scales on the f32 scores and on the softmax weights, kept per scale
+//! group) are `mma.rs`'s.
 //!
 //! Per chunk of 32 KV positions (8 warps, 256 units):
 //! 1. the chunk's rows arrive in shared memory by cp.async, issued one chunk ahead;
@@ -21,7 +23,11 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::mma::{chunk_row, copy_bf16_row, KV_STRIDE};
+use super::mma::{
+    chunk_row, copy_bf16_row, copy_fp8_chunk, decode_fp8_chunk, FP8_ROW_VECS, KV_STRIDE,
+};
+use super::mma::MmaAttnConfig;
+use super::KvFormat;
 
 /// Query rows per cube.
 pub const ROWS: u32 = 64;
@@ -54,6 +60,7 @@ type Vec8 = Vector<bf16, Const<8>>;
 pub fn wide_attention_kernel(
     q: &Array<Vector<f32, Const<4>>>,
     kv_vecs: &Array<Vec8>,
+    kv_raw: &Array<Vector<u32, Const<4>>>,
     block_table: &Array<u32>,
     cu_q_lens: &Array<u32>,
     kv_lens: &Array<u32>,
@@ -65,7 +72,7 @@ pub fn wide_attention_kernel(
     page_size: u32,
     total_rows: u32,
     softmax_scale: f32,
-    #[comptime] direct: bool,
+    #[comptime] cfg: MmaAttnConfig,
 ) {
     let unit = UNIT_POS_X as usize;
     let warp = unit / 32;
@@ -92,10 +99,23 @@ pub fn wide_attention_kernel(
         let table = b * max_blocks as usize;
 
         let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+        let fp8 = comptime!(cfg.format == KvFormat::Fp8);
+        let direct = comptime!(cfg.direct);
         let mut qs = SharedMemory::<Vec8>::new_aligned(64 * Q_STRIDE, 16usize);
         let mut kvs = SharedMemory::<Vec8>::new_aligned(2 * 32 * KV_STRIDE, 16usize);
+        let mut staging = SharedMemory::<Vector<u32, Const<4>>>::new_aligned(
+            comptime!(if fp8 { 32 * FP8_ROW_VECS } else { 1 }),
+            16usize,
+        );
+        // fp8: each operand buffer's scales, `[buf][position][group]`.
+        let mut scale_s =
+            SharedMemory::<f32>::new(comptime!(if fp8 { 2 * 32 * 4usize } else { 1 }));
         let mut ss = SharedMemory::<Acc>::new(4 * 64 * S_STRIDE);
-        let mut ps = SharedMemory::<Vec8>::new_aligned(64 * P_STRIDE, 16usize);
+        // The softmax weights; fp8: one copy per scale group, times the group's scales.
+        let mut ps = SharedMemory::<Vec8>::new_aligned(
+            comptime!(if fp8 { 4 * 64 * P_STRIDE } else { 64 * P_STRIDE }),
+            16usize,
+        );
         let mut alpha_s = SharedMemory::<f32>::new(64usize);
 
         // The cube's queries as bf16 (rows past the last are zero).
@@ -114,9 +134,17 @@ pub fn wide_attention_kernel(
                 #[unroll]
                 for h in 0..2usize {
                     let x = q[base + h];
-                    #[unroll]
-                    for e in 0..4usize {
-                        vec[h * 4 + e] = bf16::cast_from(x[e]);
+                    // fp8's latent is stored as dimensions (0, 2, 1, 3) per 4.
+                    if fp8 && v < 64 {
+                        vec[h * 4] = bf16::cast_from(x[0]);
+                        vec[h * 4 + 1] = bf16::cast_from(x[2]);
+                        vec[h * 4 + 2] = bf16::cast_from(x[1]);
+                        vec[h * 4 + 3] = bf16::cast_from(x[3]);
+                    } else {
+                        #[unroll]
+                        for e in 0..4usize {
+                            vec[h * 4 + e] = bf16::cast_from(x[e]);
+                        }
                     }
                 }
             }
@@ -140,37 +168,72 @@ pub fn wide_attention_kernel(
         let rh = warp / 4;
         let kq = warp % 4;
 
-        // Rows are copied with cp.async one chunk ahead, each unit's cache row looked up a
-        // chunk before its copy. Waiting for a chunk is also the barrier after the previous
-        // chunk's last reads, so the copy into the other buffer starts after it.
+        // Rows are copied with cp.async one chunk ahead. bf16: each unit's cache row looked
+        // up a chunk before its copy; waiting for a chunk is also the barrier after the
+        // previous chunk's last reads, so the copy into the other buffer starts after it.
+        // fp8: rows go to one staging buffer, decoded at the end of the chunk before into the
+        // other operand buffer (the wait for them is that chunk's barrier), then the copy of
+        // the chunk after starts.
         let bar_a = Barrier::shared(UNITS, unit == 0);
         let bar_b = Barrier::shared(UNITS, unit == 0);
         let page_size = page_size as usize;
         let units = comptime!(UNITS as usize);
-        let mut next_row = chunk_row(block_table, table, c_begin, last_pos, page_size, unit, units);
+        let mut next_row = 0usize;
+        if !fp8 {
+            next_row = chunk_row(block_table, table, c_begin, last_pos, page_size, unit, units);
+        }
         if c_begin < c_end {
-            copy_bf16_row(kv_vecs, &mut kvs, 0, next_row, unit, units);
-            bar_a.commit_copy_async();
-            next_row = chunk_row(block_table, table, c_begin + 1, last_pos, page_size, unit, units);
+            if fp8 {
+                copy_fp8_chunk(
+                    kv_raw, &mut staging, block_table, table, c_begin, last_pos, page_size, unit,
+                    units,
+                );
+                bar_a.commit_copy_async();
+                bar_a.arrive_and_wait();
+                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 0, unit, units);
+                sync_cube();
+                if c_begin + 1 < c_end {
+                    copy_fp8_chunk(
+                        kv_raw,
+                        &mut staging,
+                        block_table,
+                        table,
+                        c_begin + 1,
+                        last_pos,
+                        page_size,
+                        unit,
+                        units,
+                    );
+                    bar_a.commit_copy_async();
+                }
+            } else {
+                copy_bf16_row(kv_vecs, &mut kvs, 0, next_row, unit, units);
+                bar_a.commit_copy_async();
+                next_row =
+                    chunk_row(block_table, table, c_begin + 1, last_pos, page_size, unit, units);
+            }
         }
         for c in c_begin..c_end {
             // 1. This chunk's rows in shared memory, then the next chunk's copy.
             let buf = (c - c_begin) % 2;
-            if buf == 0 {
-                bar_a.arrive_and_wait();
-            } else {
-                bar_b.arrive_and_wait();
-            }
-            if c + 1 < c_end {
-                copy_bf16_row(kv_vecs, &mut kvs, 1 - buf, next_row, unit, units);
+            if !fp8 {
                 if buf == 0 {
-                    bar_b.commit_copy_async();
+                    bar_a.arrive_and_wait();
                 } else {
-                    bar_a.commit_copy_async();
+                    bar_b.arrive_and_wait();
                 }
-                next_row = chunk_row(block_table, table, c + 2, last_pos, page_size, unit, units);
+                if c + 1 < c_end {
+                    copy_bf16_row(kv_vecs, &mut kvs, 1 - buf, next_row, unit, units);
+                    if buf == 0 {
+                        bar_b.commit_copy_async();
+                    } else {
+                        bar_a.commit_copy_async();
+                    }
+                    next_row = chunk_row(block_table, table, c + 2, last_pos, page_size, unit, units);
+                }
             }
             let kb = buf * 32 * KV_STRIDE;
+            let sb = buf * 32 * 4;
 
             // 2. Partial scores: 2 row tiles x 4 n-tiles over this warp's quarter, in 4
             // pairs of latent k-steps and one rope k-step.
@@ -182,6 +245,21 @@ pub fn wide_attention_kernel(
             #[unroll]
             for jp in 0..5usize {
                 let steps = comptime!(if jp < 4 { 2usize } else { 1usize });
+                if comptime!(fp8 && jp == 4) {
+                    // The latent part so far times each position's scale of this quarter.
+                    #[unroll]
+                    for nt in 0..4usize {
+                        let p = nt * 8 + 2 * t;
+                        let mut sc = Acc::empty();
+                        sc[0] = scale_s[sb + p * 4 + kq];
+                        sc[1] = scale_s[sb + (p + 1) * 4 + kq];
+                        #[unroll]
+                        for i in 0..4usize {
+                            let at = ((i / 2) * 4 + nt) * 2 + i % 2;
+                            s[at] = s[at] * sc;
+                        }
+                    }
+                }
                 let mut vec0 = 64usize + kq * 2;
                 if comptime!(jp < 4) {
                     vec0 = kq * 16 + jp * 4;
@@ -290,14 +368,31 @@ pub fn wide_attention_kernel(
             let m_new = max(m_run, local_max);
             let alpha = (m_run - m_new).exp();
             let mut local_sum = 0.0f32;
-            let mut weights = Vec8::empty();
+            let mut pv = Array::<f32>::new(8usize);
             #[unroll]
             for e in 0..8usize {
-                let p = select(sv[e] > NEG_BIG, (sv[e] - m_new).exp(), 0.0);
-                local_sum += p;
-                weights[e] = bf16::cast_from(p);
+                pv[e] = select(sv[e] > NEG_BIG, (sv[e] - m_new).exp(), 0.0);
+                local_sum += pv[e];
             }
-            ps[srow * P_STRIDE + part] = weights;
+            if fp8 {
+                #[unroll]
+                for grp in 0..4usize {
+                    let mut weights = Vec8::empty();
+                    #[unroll]
+                    for e in 0..8usize {
+                        let scale = scale_s[sb + (part * 8 + e) * 4 + grp];
+                        weights[e] = bf16::cast_from(pv[e] * scale);
+                    }
+                    ps[(grp * 64 + srow) * P_STRIDE + part] = weights;
+                }
+            } else {
+                let mut weights = Vec8::empty();
+                #[unroll]
+                for e in 0..8usize {
+                    weights[e] = bf16::cast_from(pv[e]);
+                }
+                ps[srow * P_STRIDE + part] = weights;
+            }
             local_sum += plane_shuffle_xor(local_sum, 1);
             local_sum += plane_shuffle_xor(local_sum, 2);
             l_run = l_run * alpha + local_sum;
@@ -330,12 +425,17 @@ pub fn wide_attention_kernel(
                     }
                 }
             }
+            // fp8: this warp's 64 dimensions are one scale group's (warp / 2).
+            let mut pgroup = 0usize;
+            if fp8 {
+                pgroup = warp / 2;
+            }
             #[unroll]
             for kk in 0..2usize {
                 let mut pa = Array::<Frag>::new(16usize);
                 #[unroll]
                 for rt in 0..4usize {
-                    let prow = rt * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+                    let prow = pgroup * 64 + rt * 16 + ((lane / 8) % 2) * 8 + lane % 8;
                     let at = prow * P_STRIDE + kk * 2 + lane / 16;
                     let m = mma.load_matrix::<Vec8, Const<2>>(
                         &ps.slice(at, at + 1),
@@ -382,6 +482,27 @@ pub fn wide_attention_kernel(
                     }
                 }
             }
+            // fp8: the next chunk has landed in staging (every unit done with this chunk);
+            // decode it into the other operand buffer, then start the copy of the one after.
+            if fp8 && c + 1 < c_end {
+                bar_a.arrive_and_wait();
+                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 1 - buf, unit, units);
+                sync_cube();
+                if c + 2 < c_end {
+                    copy_fp8_chunk(
+                        kv_raw,
+                        &mut staging,
+                        block_table,
+                        table,
+                        c + 2,
+                        last_pos,
+                        page_size,
+                        unit,
+                        units,
+                    );
+                    bar_a.commit_copy_async();
+                }
+            }
         }
 
         // Each row's (max, sum) for the warps, and for the combine.
@@ -411,13 +532,19 @@ pub fn wide_attention_kernel(
                     #[unroll]
                     for n in 0..8usize {
                         let v = acc[(rt * 8 + n) * 2 + half] * scale;
-                        let d = dst_row * 512 + warp * 64 + n * 8 + 2 * t;
+                        // Columns 2t, 2t + 1; fp8 stores dimensions (0, 2, 1, 3) per 4.
+                        let mut d = dst_row * 512 + warp * 64 + n * 8 + 2 * t;
+                        let mut next = 1usize;
+                        if fp8 {
+                            d = dst_row * 512 + warp * 64 + n * 8 + 4 * (t / 2) + t % 2;
+                            next = 2usize;
+                        }
                         if direct {
                             out[d] = v[0];
-                            out[d + 1] = v[1];
+                            out[d + next] = v[1];
                         } else {
                             part_out[d] = v[0];
-                            part_out[d + 1] = v[1];
+                            part_out[d + next] = v[1];
                         }
                     }
                 }

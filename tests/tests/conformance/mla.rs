@@ -76,14 +76,16 @@ fn prefill<R: Runtime>(client: &ComputeClient<R>) {
 }
 
 /// Kimi's 64 heads over a few chunks, a draft-verification step of 16 query tokens, and
-/// the 64-row cube with rows of two tokens, two groups per token (128 heads: DeepSeek-V3)
-/// and a partial last group.
+/// the 64-row cube (both KV formats) with rows of two tokens, two groups per token (128
+/// heads: DeepSeek-V3) and a partial last group.
 fn kimi_shapes<R: Runtime>(client: &ComputeClient<R>) {
     for (heads, q_lens, kv_lens, format) in [
         (64, vec![1, 1], vec![200, 129], KvFormat::Bf16),
         (64, vec![2, 1], vec![97, 300], KvFormat::Bf16),
         (128, vec![1, 1, 1], vec![70, 1, 300], KvFormat::Bf16),
         (8, vec![9, 3], vec![40, 5], KvFormat::Bf16),
+        (128, vec![1, 2], vec![70, 300], KvFormat::Fp8),
+        (8, vec![9, 3], vec![40, 5], KvFormat::Fp8),
         (64, vec![1], vec![333], KvFormat::Fp8),
         (4, vec![16, 3], vec![260, 3], KvFormat::Bf16),
     ] {
