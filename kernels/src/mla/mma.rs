@@ -47,7 +47,7 @@ pub const CHUNK: u32 = 32;
 /// Units per cube: 4 warps.
 pub const UNITS: u32 = 128;
 /// 16-byte vectors of bf16 per KV row (576 values).
-const ROW_VECS: usize = 72;
+pub(super) const ROW_VECS: usize = 72;
 /// 16-byte vectors of an fp8 row (656 bytes).
 pub(super) const FP8_ROW_VECS: usize = 41;
 /// Shared-memory stride of a KV row in 16-byte vectors: odd, so the 8 rows an `ldmatrix`
@@ -66,7 +66,7 @@ const TWO_POW_120_BF16X2: u32 = 0x7b80_7b80;
 /// Output n-tiles (8 dimensions each) per warp: 512 / 8 / 4.
 const N_TILES: usize = 16;
 /// Stands for minus infinity.
-const NEG_BIG: f32 = -3.0e38;
+pub(super) const NEG_BIG: f32 = -3.0e38;
 
 /// Compile-time shape of the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -76,8 +76,8 @@ pub struct MmaAttnConfig {
     pub direct: bool,
 }
 
-type Frag = Vector<bf16, Const<2>>;
-type Acc = Vector<f32, Const<2>>;
+pub(super) type Frag = Vector<bf16, Const<2>>;
+pub(super) type Acc = Vector<f32, Const<2>>;
 
 /// Grid: (row groups of the longest request, splits, batch); [`UNITS`] units.
 #[cube(launch_unchecked)]
@@ -431,7 +431,14 @@ pub fn mma_attention_kernel(
             // staging, start the copy of the chunk after.
             if fp8 && c + 1 < c_end {
                 bar_a.arrive_and_wait();
-                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 1 - buf, unit, UNITS as usize);
+                decode_fp8_chunk(
+                    &staging,
+                    &mut kvs,
+                    &mut scale_s,
+                    1 - buf,
+                    unit,
+                    UNITS as usize,
+                );
             }
             sync_cube();
             if fp8 && c + 2 < c_end {

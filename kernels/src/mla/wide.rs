@@ -7,16 +7,19 @@
 //! group) are `mma.rs`'s.
 //!
 //! Per chunk of 32 KV positions (8 warps, 256 units):
-//! 1. the chunk's rows arrive in shared memory by cp.async, issued one chunk ahead;
+//! 1. the chunk's rows arrive in shared memory by cp.async, issued one chunk ahead (fp8:
+//!    decoded at the end of the chunk before); waiting for them is also the barrier after
+//!    the previous chunk;
 //! 2. warp `w` scores rows `32 (w / 4)..+32` (two 16-row tiles) over quarter `w % 4` of
 //!    the 576 dimensions (128 of the latent, 16 of the rope part) for all 32 positions,
 //!    its query fragments read from shared memory (the cube's queries, bf16, stored once:
 //!    64 rows x 576 would take 72 registers per unit next to the 128 of the output), and
 //!    stores the partial scores;
 //! 3. 4 units per row sum the quarters, mask causally, run the online softmax and write the
-//!    weights as bf16 and each row's rescale factor;
-//! 4. warp `w` rescales and adds weights x values for all 64 rows over output dimensions
-//!    `64 w..+64`, so each value fragment it loads feeds 4 MMAs (128 accumulators a unit).
+//!    weights as bf16 (fp8: one copy per scale group) and each row's rescale factor;
+//! 4. warp `w` rescales (unless no row's maximum moved) and adds weights x values for all
+//!    64 rows over output dimensions `64 w..+64`, so each value fragment it loads feeds 4
+//!    MMAs (128 accumulators a unit).
 //!
 //! Rounding as in `mma.rs`: queries and softmax weights are rounded to bf16.
 use cubecl::prelude::barrier::Barrier;
@@ -24,17 +27,15 @@ use cubecl::prelude::*;
 use half::bf16;
 
 use super::mma::{
-    chunk_row, copy_bf16_row, copy_fp8_chunk, decode_fp8_chunk, FP8_ROW_VECS, KV_STRIDE,
+    chunk_row, copy_bf16_row, copy_fp8_chunk, decode_fp8_chunk, Acc, Frag, MmaAttnConfig,
+    FP8_ROW_VECS, KV_STRIDE, NEG_BIG, ROW_VECS,
 };
-use super::mma::MmaAttnConfig;
 use super::KvFormat;
 
 /// Query rows per cube.
 pub const ROWS: u32 = 64;
 /// Units per cube: 8 warps.
 pub const UNITS: u32 = 256;
-/// 16-byte vectors of bf16 per query or KV row (576 values).
-const ROW_VECS: usize = 72;
 /// Shared-memory stride of a query row in 16-byte vectors (odd, like [`KV_STRIDE`]).
 const Q_STRIDE: usize = 73;
 /// Shared-memory stride of a weight row in 16-byte vectors (80 bytes: the 8 rows an
@@ -43,11 +44,6 @@ const P_STRIDE: usize = 5;
 /// Shared-memory stride of a partial-score row, in pairs of f32 (34 words: the 4 pairs
 /// a softmax unit reads per row fall in distinct banks across its half-warp).
 const S_STRIDE: usize = 17;
-/// Stands for minus infinity.
-const NEG_BIG: f32 = -3.0e38;
-
-type Frag = Vector<bf16, Const<2>>;
-type Acc = Vector<f32, Const<2>>;
 type Vec8 = Vector<bf16, Const<8>>;
 
 /// Grid: (64-row groups of the longest request, splits, batch); [`UNITS`] units. Fast
@@ -113,7 +109,11 @@ pub fn wide_attention_kernel(
         let mut ss = SharedMemory::<Acc>::new(4 * 64 * S_STRIDE);
         // The softmax weights; fp8: one copy per scale group, times the group's scales.
         let mut ps = SharedMemory::<Vec8>::new_aligned(
-            comptime!(if fp8 { 4 * 64 * P_STRIDE } else { 64 * P_STRIDE }),
+            comptime!(if fp8 {
+                4 * 64 * P_STRIDE
+            } else {
+                64 * P_STRIDE
+            }),
             16usize,
         );
         let mut alpha_s = SharedMemory::<f32>::new(64usize);
@@ -180,12 +180,27 @@ pub fn wide_attention_kernel(
         let units = comptime!(UNITS as usize);
         let mut next_row = 0usize;
         if !fp8 {
-            next_row = chunk_row(block_table, table, c_begin, last_pos, page_size, unit, units);
+            next_row = chunk_row(
+                block_table,
+                table,
+                c_begin,
+                last_pos,
+                page_size,
+                unit,
+                units,
+            );
         }
         if c_begin < c_end {
             if fp8 {
                 copy_fp8_chunk(
-                    kv_raw, &mut staging, block_table, table, c_begin, last_pos, page_size, unit,
+                    kv_raw,
+                    &mut staging,
+                    block_table,
+                    table,
+                    c_begin,
+                    last_pos,
+                    page_size,
+                    unit,
                     units,
                 );
                 bar_a.commit_copy_async();
@@ -209,8 +224,15 @@ pub fn wide_attention_kernel(
             } else {
                 copy_bf16_row(kv_vecs, &mut kvs, 0, next_row, unit, units);
                 bar_a.commit_copy_async();
-                next_row =
-                    chunk_row(block_table, table, c_begin + 1, last_pos, page_size, unit, units);
+                next_row = chunk_row(
+                    block_table,
+                    table,
+                    c_begin + 1,
+                    last_pos,
+                    page_size,
+                    unit,
+                    units,
+                );
             }
         }
         for c in c_begin..c_end {
@@ -229,7 +251,8 @@ pub fn wide_attention_kernel(
                     } else {
                         bar_a.commit_copy_async();
                     }
-                    next_row = chunk_row(block_table, table, c + 2, last_pos, page_size, unit, units);
+                    next_row =
+                        chunk_row(block_table, table, c + 2, last_pos, page_size, unit, units);
                 }
             }
             let kb = buf * 32 * KV_STRIDE;
@@ -527,8 +550,11 @@ pub fn wide_attention_kernel(
                     if direct {
                         scale = Acc::new(1.0 / ml_s[r * 2 + 1]);
                     }
-                    let dst_row =
-                        select(direct, first_row + r, split * total_rows as usize + first_row + r);
+                    let dst_row = select(
+                        direct,
+                        first_row + r,
+                        split * total_rows as usize + first_row + r,
+                    );
                     #[unroll]
                     for n in 0..8usize {
                         let v = acc[(rt * 8 + n) * 2 + half] * scale;
