@@ -33,6 +33,7 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod tensor_cores;
 pub mod tree_verify;
+mod warp_mma;
 
 pub use buffer::DeviceArray;
 pub use error::KernelError;

@@ -30,6 +30,7 @@ use super::fragments::{scale_pair, TWO_POW_14};
 use super::kernel::find_tile;
 use super::WeightFormat;
 use crate::formats::{e2m1_to_f32, e4m3_to_f32};
+use crate::warp_mma::{load_a_tile, mma_step, Acc, Bf16x8, Frag};
 
 /// Tile rows (tokens).
 pub const BM: u32 = 64;
@@ -42,10 +43,6 @@ pub const UNITS: u32 = 256;
 /// Shared-memory row stride in 16-byte vectors: 8 per row of BK bf16, plus one so the 8
 /// rows an `ldmatrix` reads fall in distinct bank groups.
 const STRIDE: usize = 9;
-
-type Frag = Vector<bf16, Const<2>>;
-type Acc = Vector<f32, Const<2>>;
-type Bf16x8 = Vector<bf16, Const<8>>;
 
 /// Grid: (M-slots, ceil(n / BN)); [`UNITS`] units. Trusts `k % BK == 0`.
 #[cube(launch_unchecked)]
@@ -249,18 +246,8 @@ pub fn mma_gemm_kernel<F: Float>(
                 let mut af = Array::<Frag>::new(8usize);
                 #[unroll]
                 for mt in 0..2usize {
-                    let r = wm * 32 + mt * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-                    let at = r * STRIDE + ks * 2 + lane / 16;
-                    let f = mma.load_matrix::<Bf16x8, Const<2>>(
-                        &a_s.slice(at, at + 1),
-                        cmma::MatrixIdent::A,
-                        4usize,
-                        false,
-                    );
-                    #[unroll]
-                    for i in 0..4usize {
-                        af[mt * 4 + i] = f[i];
-                    }
+                    let row0 = wm * 32 + mt * 16;
+                    load_a_tile(&a_s, row0, ks * 2, STRIDE, lane, &mut af, comptime!(mt * 4));
                 }
                 #[unroll]
                 for np in 0..2usize {
@@ -292,23 +279,17 @@ pub fn mma_gemm_kernel<F: Float>(
                     }
                     #[unroll]
                     for half in 0..2usize {
-                        let mut b = Array::<Frag>::new(2usize);
-                        b[0] = bf[half * 2];
-                        b[1] = bf[half * 2 + 1];
                         #[unroll]
                         for mt in 0..2usize {
-                            let mut a_frag = Array::<Frag>::new(4usize);
-                            #[unroll]
-                            for i in 0..4usize {
-                                a_frag[i] = af[mt * 4 + i];
-                            }
-                            let at = (mt * 4 + np * 2 + half) * 2;
-                            let mut c = Array::<Acc>::new(2usize);
-                            c[0] = acc[at];
-                            c[1] = acc[at + 1];
-                            mma.execute_inplace(&a_frag, &b, &mut c);
-                            acc[at] = c[0];
-                            acc[at + 1] = c[1];
+                            let c = comptime!((mt * 4 + np * 2 + half) * 2);
+                            mma_step(
+                                &af,
+                                comptime!(mt * 4),
+                                &bf,
+                                comptime!(half * 2),
+                                &mut acc,
+                                c,
+                            );
                         }
                     }
                 }

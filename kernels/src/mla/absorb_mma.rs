@@ -15,6 +15,8 @@
 use cubecl::prelude::*;
 use half::bf16;
 
+use crate::warp_mma::{load_a_tile, mma_step, Acc, Bf16x8, Frag};
+
 /// Tokens per cube.
 const BM: usize = 64;
 /// Output columns per cube.
@@ -28,10 +30,6 @@ pub(super) const UNITS: u32 = 256;
 const STRIDE: usize = 9;
 /// Row stride of the k-major weight tile `[BK][BN]`: 16 vectors, plus one.
 const STRIDE_T: usize = 17;
-
-type Frag = Vector<bf16, Const<2>>;
-type Acc = Vector<f32, Const<2>>;
-type Bf16x8 = Vector<bf16, Const<8>>;
 
 /// Grid: (ceil(tokens / BM), ceil(N / BN), heads); [`UNITS`] units.
 #[cube(launch_unchecked)]
@@ -132,18 +130,8 @@ pub(super) fn head_product_kernel(
             let mut af = Array::<Frag>::new(8usize);
             #[unroll]
             for mt in 0..2usize {
-                let r = wm * 32 + mt * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-                let at = r * STRIDE + ks * 2 + lane / 16;
-                let f = mma.load_matrix::<Bf16x8, Const<2>>(
-                    &a_s.slice(at, at + 1),
-                    cmma::MatrixIdent::A,
-                    4usize,
-                    false,
-                );
-                #[unroll]
-                for i in 0..4usize {
-                    af[mt * 4 + i] = f[i];
-                }
+                let row0 = wm * 32 + mt * 16;
+                load_a_tile(&a_s, row0, ks * 2, STRIDE, lane, &mut af, comptime!(mt * 4));
             }
             #[unroll]
             for np in 0..2usize {
@@ -167,25 +155,17 @@ pub(super) fn head_product_kernel(
                     4usize,
                     comptime!(absorb),
                 );
+                let mut b = Array::<Frag>::new(4usize);
+                #[unroll]
+                for i in 0..4usize {
+                    b[i] = bf[i];
+                }
                 #[unroll]
                 for half in 0..2usize {
-                    let mut b = Array::<Frag>::new(2usize);
-                    b[0] = bf[half * 2];
-                    b[1] = bf[half * 2 + 1];
                     #[unroll]
                     for mt in 0..2usize {
-                        let mut a_frag = Array::<Frag>::new(4usize);
-                        #[unroll]
-                        for i in 0..4usize {
-                            a_frag[i] = af[mt * 4 + i];
-                        }
-                        let at = (mt * 4 + np * 2 + half) * 2;
-                        let mut c = Array::<Acc>::new(2usize);
-                        c[0] = acc[at];
-                        c[1] = acc[at + 1];
-                        mma.execute_inplace(&a_frag, &b, &mut c);
-                        acc[at] = c[0];
-                        acc[at + 1] = c[1];
+                        let c = comptime!((mt * 4 + np * 2 + half) * 2);
+                        mma_step(&af, comptime!(mt * 4), &b, comptime!(half * 2), &mut acc, c);
                     }
                 }
             }

@@ -39,6 +39,7 @@ use half::bf16;
 
 use super::kernel::kv_row;
 use super::KvFormat;
+use crate::warp_mma::{Acc, Frag};
 
 /// Query rows per cube (the MMA's M).
 pub const ROWS: u32 = 16;
@@ -75,9 +76,6 @@ pub struct MmaAttnConfig {
     /// One split: write the normalised output instead of partial sums.
     pub direct: bool,
 }
-
-pub(super) type Frag = Vector<bf16, Const<2>>;
-pub(super) type Acc = Vector<f32, Const<2>>;
 
 /// Grid: (row groups of the longest request, splits, batch); [`UNITS`] units.
 #[cube(launch_unchecked)]

@@ -27,10 +27,11 @@ use cubecl::prelude::*;
 use half::bf16;
 
 use super::mma::{
-    chunk_row, copy_bf16_row, copy_fp8_chunk, decode_fp8_chunk, Acc, Frag, MmaAttnConfig,
-    FP8_ROW_VECS, KV_STRIDE, NEG_BIG, ROW_VECS,
+    chunk_row, copy_bf16_row, copy_fp8_chunk, decode_fp8_chunk, MmaAttnConfig, FP8_ROW_VECS,
+    KV_STRIDE, NEG_BIG, ROW_VECS,
 };
 use super::KvFormat;
+use crate::warp_mma::{load_a_tile, mma_step, Acc, Bf16x8 as Vec8, Frag};
 
 /// Query rows per cube.
 pub const ROWS: u32 = 64;
@@ -44,7 +45,6 @@ const P_STRIDE: usize = 5;
 /// Shared-memory stride of a partial-score row, in pairs of f32 (34 words: the 4 pairs
 /// a softmax unit reads per row fall in distinct banks across its half-warp).
 const S_STRIDE: usize = 17;
-type Vec8 = Vector<bf16, Const<8>>;
 
 /// Grid: (64-row groups of the longest request, splits, batch); [`UNITS`] units. Fast
 /// `exp` (`__expf`): its error is far below the bf16 rounding of the weights it feeds.
@@ -293,18 +293,9 @@ pub fn wide_attention_kernel(
                 for kk in 0..steps {
                     #[unroll]
                     for rt in 0..2usize {
-                        let qrow = (rh * 2 + rt) * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-                        let at = qrow * Q_STRIDE + vec0 + kk * 2 + lane / 16;
-                        let m = mma.load_matrix::<Vec8, Const<2>>(
-                            &qs.slice(at, at + 1),
-                            cmma::MatrixIdent::A,
-                            4usize,
-                            false,
-                        );
-                        #[unroll]
-                        for r in 0..4usize {
-                            a[(kk * 2 + rt) * 4 + r] = m[r];
-                        }
+                        let row0 = (rh * 2 + rt) * 16;
+                        let at = comptime!((kk * 2 + rt) * 4);
+                        load_a_tile(&qs, row0, vec0 + kk * 2, Q_STRIDE, lane, &mut a, at);
                     }
                 }
                 #[unroll]
@@ -336,23 +327,11 @@ pub fn wide_attention_kernel(
                     }
                     #[unroll]
                     for kk in 0..steps {
-                        let mut bfrag = Array::<Frag>::new(2usize);
-                        bfrag[0] = kf[kk * 2];
-                        bfrag[1] = kf[kk * 2 + 1];
                         #[unroll]
                         for rt in 0..2usize {
-                            let mut af = Array::<Frag>::new(4usize);
-                            #[unroll]
-                            for r in 0..4usize {
-                                af[r] = a[(kk * 2 + rt) * 4 + r];
-                            }
-                            let i = (rt * 4 + nt) * 2;
-                            let mut c_frag = Array::<Acc>::new(2usize);
-                            c_frag[0] = s[i];
-                            c_frag[1] = s[i + 1];
-                            mma.execute_inplace(&af, &bfrag, &mut c_frag);
-                            s[i] = c_frag[0];
-                            s[i + 1] = c_frag[1];
+                            let a_at = comptime!((kk * 2 + rt) * 4);
+                            let c = comptime!((rt * 4 + nt) * 2);
+                            mma_step(&a, a_at, &kf, comptime!(kk * 2), &mut s, c);
                         }
                     }
                 }
@@ -458,18 +437,16 @@ pub fn wide_attention_kernel(
                 let mut pa = Array::<Frag>::new(16usize);
                 #[unroll]
                 for rt in 0..4usize {
-                    let prow = pgroup * 64 + rt * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-                    let at = prow * P_STRIDE + kk * 2 + lane / 16;
-                    let m = mma.load_matrix::<Vec8, Const<2>>(
-                        &ps.slice(at, at + 1),
-                        cmma::MatrixIdent::A,
-                        4usize,
-                        false,
+                    let row0 = pgroup * 64 + rt * 16;
+                    load_a_tile(
+                        &ps,
+                        row0,
+                        kk * 2,
+                        P_STRIDE,
+                        lane,
+                        &mut pa,
+                        comptime!(rt * 4),
                     );
-                    #[unroll]
-                    for r in 0..4usize {
-                        pa[rt * 4 + r] = m[r];
-                    }
                 }
                 #[unroll]
                 for np in 0..4usize {
@@ -481,26 +458,17 @@ pub fn wide_attention_kernel(
                         4usize,
                         true,
                     );
+                    let mut b = Array::<Frag>::new(4usize);
+                    #[unroll]
+                    for i in 0..4usize {
+                        b[i] = vb[i];
+                    }
                     #[unroll]
                     for half in 0..2usize {
-                        let mut bfrag = Array::<Frag>::new(2usize);
-                        bfrag[0] = vb[half * 2];
-                        bfrag[1] = vb[half * 2 + 1];
-                        let n = np * 2 + half;
                         #[unroll]
                         for rt in 0..4usize {
-                            let mut af = Array::<Frag>::new(4usize);
-                            #[unroll]
-                            for r in 0..4usize {
-                                af[r] = pa[rt * 4 + r];
-                            }
-                            let i = (rt * 8 + n) * 2;
-                            let mut c_frag = Array::<Acc>::new(2usize);
-                            c_frag[0] = acc[i];
-                            c_frag[1] = acc[i + 1];
-                            mma.execute_inplace(&af, &bfrag, &mut c_frag);
-                            acc[i] = c_frag[0];
-                            acc[i + 1] = c_frag[1];
+                            let c = comptime!((rt * 8 + np * 2 + half) * 2);
+                            mma_step(&pa, comptime!(rt * 4), &b, comptime!(half * 2), &mut acc, c);
                         }
                     }
                 }
