@@ -22,7 +22,7 @@
 //!    output dimensions (values read with `ldmatrix.trans`).
 //!
 //! With one split the cube writes the normalised output; with several it writes its
-//! unnormalised sums and its rows' (max, sum), and [`combine_kernel`] merges the splits.
+//! unnormalised sums and its rows' (max, sum), and `combine.rs` merges the splits.
 //!
 //! fp8 (E4M3) codes are exact in bf16: the decode only moves bits (`code * 2^-120`, then one
 //! bf16x2 multiply by `2^120`), storing each group of 4 latent dimensions in the order
@@ -677,70 +677,5 @@ pub(super) fn decode_fp8_chunk(
             // Rope: 8 bf16 values, one vector at word 132 + 4 (v - 64).
             kvs[dst] = Vector::<bf16, Const<8>>::reinterpret(staging[row + 33 + v - 64]);
         }
-    }
-}
-
-/// Units of the combine: 32 split lanes x 8 vectors of 4 dimensions.
-pub const COMBINE_UNITS: u32 = 256;
-/// Output dimensions per combine cube.
-pub const COMBINE_DIMS: u32 = 32;
-
-/// Merges the splits of one query row: `out = sum_s e^{m_s - M} O_s / sum_s e^{m_s - M} l_s`
-/// over the splits that saw any position (`l_s > 0`). A cube per (row, 32 dimensions):
-/// unit `u` takes the splits `s = u / 8 (mod 32)` and the 4 dimensions `u % 8`, so each
-/// unit walks at most `splits / 32` splits; the 32 split lanes meet in shared memory.
-#[cube(launch_unchecked)]
-pub fn combine_kernel(
-    part_out: &Array<Vector<f32, Const<4>>>,
-    part_ml: &Array<f32>,
-    out: &mut Array<Vector<f32, Const<4>>>,
-    total_rows: u32,
-    splits: u32,
-) {
-    let row = CUBE_POS_X as usize;
-    let block = CUBE_POS_Y as usize;
-    let unit = UNIT_POS_X as usize;
-    let lane = unit / 8;
-    let vec = block * 8 + unit % 8;
-    let total = total_rows as usize;
-    let mut maxes = SharedMemory::<f32>::new(32usize);
-    let mut sums = SharedMemory::<Vector<f32, Const<4>>>::new(256usize);
-    let mut dens = SharedMemory::<f32>::new(32usize);
-    let mut m = f32::new(NEG_BIG);
-    for s in range_stepped(lane, splits as usize, 32usize) {
-        let at = (s * total + row) * 2;
-        m = select(part_ml[at + 1] > 0.0, max(m, part_ml[at]), m);
-    }
-    if unit % 8 == 0 {
-        maxes[lane] = m;
-    }
-    sync_cube();
-    #[unroll]
-    for l in 0..32usize {
-        m = max(m, maxes[l]);
-    }
-    let mut num = Vector::<f32, Const<4>>::new(0.0);
-    let mut den = 0.0f32;
-    for s in range_stepped(lane, splits as usize, 32usize) {
-        let at = (s * total + row) * 2;
-        let l = part_ml[at + 1];
-        let w = select(l > 0.0, (part_ml[at] - m).exp(), 0.0);
-        den += w * l;
-        num += Vector::new(w) * part_out[(s * total + row) * 128 + vec];
-    }
-    sums[unit] = num;
-    if unit % 8 == 0 {
-        dens[lane] = den;
-    }
-    sync_cube();
-    if unit < 8 {
-        let mut acc = Vector::<f32, Const<4>>::new(0.0);
-        let mut total_den = 0.0f32;
-        #[unroll]
-        for l in 0..32usize {
-            acc += sums[l * 8 + unit];
-            total_den += dens[l];
-        }
-        out[row * 128 + vec] = acc / Vector::new(total_den);
     }
 }

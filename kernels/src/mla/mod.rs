@@ -24,6 +24,7 @@
 mod absorb;
 mod absorb_mma;
 mod cache_write;
+mod combine;
 mod kernel;
 mod mma;
 mod wide;
@@ -275,10 +276,10 @@ fn launch_mma<R: Runtime>(
             );
         }
         if splits > 1 {
-            mma::combine_kernel::launch_unchecked::<R>(
+            combine::combine_kernel::launch_unchecked::<R>(
                 client,
-                CubeCount::Static(total_rows as u32, V_DIM as u32 / mma::COMBINE_DIMS, 1),
-                CubeDim::new_1d(mma::COMBINE_UNITS),
+                CubeCount::Static(total_rows as u32, V_DIM as u32 / combine::COMBINE_DIMS, 1),
+                CubeDim::new_1d(combine::COMBINE_UNITS),
                 part_out.arg(),
                 part_ml.arg(),
                 out.arg(),
