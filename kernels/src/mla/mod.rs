@@ -229,51 +229,41 @@ fn launch_mma<R: Runtime>(
         format: kv.format,
         direct: splits == 1,
     };
-    // SAFETY: validated shapes; the partial buffers hold `splits` copies of every row.
     let grid = CubeCount::Static(groups as u32, splits as u32, meta.batch as u32);
+    // Both kernels take the same arguments (the cache twice: as bf16 and as raw vectors).
+    macro_rules! launch_attention {
+        ($kernel:path, $units:expr) => {
+            $kernel(
+                client,
+                grid,
+                CubeDim::new_1d($units),
+                q.arg(),
+                kv.data.arg(),
+                kv.data.arg(),
+                meta.block_table.arg(),
+                meta.cu_q_lens.arg(),
+                meta.kv_lens.arg(),
+                out.arg(),
+                part_out.arg(),
+                part_ml.arg(),
+                heads as u32,
+                meta.max_blocks as u32,
+                kv.page_size as u32,
+                total_rows as u32,
+                softmax_scale,
+                config,
+            )
+        };
+    }
+    // SAFETY: validated shapes; the partial buffers hold `splits` copies of every row.
     unsafe {
         if wide {
-            wide::wide_attention_kernel::launch_unchecked::<R>(
-                client,
-                grid,
-                CubeDim::new_1d(wide::UNITS),
-                q.arg(),
-                kv.data.arg(),
-                kv.data.arg(),
-                meta.block_table.arg(),
-                meta.cu_q_lens.arg(),
-                meta.kv_lens.arg(),
-                out.arg(),
-                part_out.arg(),
-                part_ml.arg(),
-                heads as u32,
-                meta.max_blocks as u32,
-                kv.page_size as u32,
-                total_rows as u32,
-                softmax_scale,
-                config,
+            launch_attention!(
+                wide::wide_attention_kernel::launch_unchecked::<R>,
+                wide::UNITS
             );
         } else {
-            mma::mma_attention_kernel::launch_unchecked::<R>(
-                client,
-                grid,
-                CubeDim::new_1d(mma::UNITS),
-                q.arg(),
-                kv.data.arg(),
-                kv.data.arg(),
-                meta.block_table.arg(),
-                meta.cu_q_lens.arg(),
-                meta.kv_lens.arg(),
-                out.arg(),
-                part_out.arg(),
-                part_ml.arg(),
-                heads as u32,
-                meta.max_blocks as u32,
-                kv.page_size as u32,
-                total_rows as u32,
-                softmax_scale,
-                config,
-            );
+            launch_attention!(mma::mma_attention_kernel::launch_unchecked::<R>, mma::UNITS);
         }
         if splits > 1 {
             combine::combine_kernel::launch_unchecked::<R>(
