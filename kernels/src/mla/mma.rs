@@ -587,7 +587,6 @@ pub(super) fn copy_fp8_chunk(
 /// The cache row this unit copies in bf16 chunk `c` (see [`copy_bf16_row`]): position
 /// `c * 32 + unit / (units / 32)`, or `last_pos` past it.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub(super) fn chunk_row(
     block_table: &Array<u32>,
     table: usize,

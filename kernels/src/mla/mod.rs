@@ -183,7 +183,7 @@ fn mma_splits<R: Runtime>(
 /// True when a launch takes the 64-row kernel: at least 64 query rows in the longest
 /// request (64 heads, or a few tokens of fewer), except one decode token over less than
 /// 16k positions, where the 16-row kernel's 4 cubes per token start sooner (H200, 64 heads,
-/// batch 1, bf16: 8k 29.7 against 37.9 us, 32k 60.6 against 55.7).
+/// batch 1, bf16: 8k 30.5 against 37.9 us; 32k 60.6 against 55.7, session 3's 16-row run).
 fn uses_wide(heads: usize, meta: &AttnMetadata) -> bool {
     let short_single = meta.batch == 1 && meta.max_q_len == 1 && meta.max_kv_len < 16384;
     heads * meta.max_q_len >= wide::ROWS as usize && !short_single
