@@ -25,6 +25,9 @@ pub enum KernelError {
         min: usize,
         max: usize,
     },
+    /// Operands that must agree (a gate and its up projection) do not.
+    #[error("{what} differ: {detail}")]
+    Mismatch { what: &'static str, detail: String },
     /// The device cannot do what the kernel needs (a dtype, an instruction).
     #[error("{device} does not support {feature}")]
     Unsupported { feature: String, device: String },

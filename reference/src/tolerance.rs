@@ -232,6 +232,19 @@ pub fn swiglu_allowed(gate: f64, expected: f64) -> f64 {
     (7.5 + 2.0 * gate.abs()) * 2.0 * u * expected.abs() + flushed + DType::F32.smallest_normal()
 }
 
+/// Allowed `|actual - expected|` for `silu(gate) * up` computed in f32 from sums `gate` and
+/// `up` that are themselves off by up to `gate_err` and `up_err` (two GEMM outputs fed to the
+/// activation, fused or not): `silu` moves by at most `1.1` (the bound of its slope) times
+/// `gate_err`, so the product by `1.1 gate_err (|up| + up_err) + |silu(gate)| up_err`, plus
+/// [`swiglu_allowed`] at whichever end of the gate's interval allows more.
+pub fn swiglu_of_sums_allowed(gate: f64, up: f64, gate_err: f64, up_err: f64) -> f64 {
+    let silu = crate::activation::silu(gate);
+    let propagated = 1.1 * gate_err * (up.abs() + up_err) + silu.abs() * up_err;
+    let largest = (silu * up).abs() + propagated;
+    propagated
+        + swiglu_allowed(gate - gate_err, largest).max(swiglu_allowed(gate + gate_err, largest))
+}
+
 /// Summary of an element-wise comparison against the oracle.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Comparison {

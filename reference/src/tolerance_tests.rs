@@ -193,3 +193,28 @@ fn comparison_finds_the_worst_element_and_reports_it() {
 fn mismatched_lengths_panic() {
     compare(&[1.0], &[1.0, 2.0], &[0.0, 0.0]);
 }
+
+/// Gate and up sums perturbed anywhere inside their allowed errors, then SwiGLU in f32, stay
+/// within `swiglu_of_sums_allowed` of the exact `silu(gate) * up`, over gates from the
+/// negative tail to large positives.
+#[test]
+fn swiglu_of_perturbed_sums_stays_within_its_bound() {
+    let mut rng = Rng::new(17);
+    for i in 0..20_000 {
+        let gate = (rng.uniform_f32() as f64 - 0.5) * if i % 2 == 0 { 20.0 } else { 200.0 };
+        let up = (rng.uniform_f32() as f64 - 0.5) * 8.0;
+        let (gate_err, up_err) = (
+            rng.uniform_f32() as f64 * 1e-3 * (1.0 + gate.abs()),
+            rng.uniform_f32() as f64 * 1e-3 * (1.0 + up.abs()),
+        );
+        let g = (gate + gate_err * (2.0 * rng.uniform_f32() as f64 - 1.0)) as f32;
+        let u = (up + up_err * (2.0 * rng.uniform_f32() as f64 - 1.0)) as f32;
+        let actual = g / (1.0 + (-g).exp()) * u;
+        let expected = crate::activation::silu(gate) * up;
+        let allowed = swiglu_of_sums_allowed(gate, up, gate_err, up_err);
+        assert!(
+            (actual as f64 - expected).abs() <= allowed,
+            "gate {gate} up {up}: {actual} against {expected}, allowed {allowed}"
+        );
+    }
+}

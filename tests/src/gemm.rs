@@ -1,20 +1,20 @@
-//! GEMM cases (NVFP4 dense and grouped, bf16 dense) against `kiln_reference::gemm`.
+//! GEMM cases (NVFP4 and bf16 weights, dense and grouped, plain or as a SwiGLU gate/up pair)
+//! against `kiln_reference::gemm`.
 //!
 //! NVFP4 weights are quantized by the reference and the kernel decodes the very same codes;
 //! bf16 weights are rounded to bf16 first. Either way the reference multiplies exactly the
-//! values the kernel sees; activations are rounded to the activation dtype first. The only error left is f32 accumulation, bounded by
-//! `Tolerance::dot(K, f32, f32)` against `sum |a w|`.
+//! values the kernel sees; activations are rounded to the activation dtype first. The only
+//! error left is f32 accumulation, bounded by `Tolerance::dot(K, f32, f32)` against
+//! `sum |a w|`, and for a SwiGLU pair that bound carried through `silu(gate) * up`
+//! (`swiglu_of_sums_allowed`).
 use cubecl::prelude::*;
-use kiln_kernels::gemm::{
-    bf16_gemm, bf16_grouped_gemm, nvfp4_gemm, nvfp4_grouped_gemm, Bf16Weights, Nvfp4Weights,
-    WeightFormat,
-};
+use kiln_kernels::gemm::{gated_gemm, Bf16Weights, Nvfp4Weights, Operand, WeightFormat};
 use kiln_kernels::{DeviceArray, KernelError, Precision};
 use kiln_reference::data::{normal_with_outliers, Rng};
 use kiln_reference::formats::{bf16_encode, bf16_round, pack_u16_words};
-use kiln_reference::gemm;
 use kiln_reference::nvfp4::{quantize_experts, Nvfp4Matrix};
-use kiln_reference::tolerance::{compare, DType, Tolerance};
+use kiln_reference::tolerance::{compare, swiglu_of_sums_allowed, DType, Tolerance};
+use kiln_reference::{activation, gemm};
 
 use crate::report::time_launch;
 use crate::{Activation, CaseReport};
@@ -29,6 +29,9 @@ pub struct GemmCase {
     pub k: usize,
     pub rows_per_expert: Option<Vec<usize>>,
     pub format: WeightFormat,
+    /// SwiGLU: a second (up) weight set of the same shape, output `silu(a gate^T) * (a up^T)`
+    /// through `gated_gemm`.
+    pub gated: bool,
     pub seed: u64,
 }
 
@@ -40,6 +43,7 @@ impl GemmCase {
             k,
             rows_per_expert: None,
             format: WeightFormat::Nvfp4,
+            gated: false,
             seed,
         }
     }
@@ -56,6 +60,14 @@ impl GemmCase {
         GemmCase {
             rows_per_expert: Some(rows_per_expert),
             ..Self::dense(m, n, k, seed)
+        }
+    }
+
+    /// The same case as a SwiGLU pair (gate and up).
+    pub fn gated(self) -> Self {
+        GemmCase {
+            gated: true,
+            ..self
         }
     }
 
@@ -83,6 +95,53 @@ impl GemmCase {
 enum Weights {
     Nvfp4(Nvfp4Weights),
     Bf16(Bf16Weights),
+}
+
+impl Weights {
+    fn operand(&self) -> Operand<'_> {
+        match self {
+            Weights::Nvfp4(w) => Operand::Nvfp4(w),
+            Weights::Bf16(w) => Operand::Bf16(w),
+        }
+    }
+}
+
+/// `experts x n x k` weights drawn from `rng` in `format`: the exact values the kernel sees,
+/// and the device operand.
+fn case_weights<R: Runtime>(
+    client: &ComputeClient<R>,
+    rng: &mut Rng,
+    case: &GemmCase,
+) -> Result<(Vec<f32>, Weights), KernelError> {
+    let experts = case.experts();
+    let w = normal_with_outliers(rng, experts * case.n * case.k, 0.05);
+    Ok(match case.format {
+        WeightFormat::Nvfp4 => {
+            let quantized = quantize_experts(&w, experts, case.n, case.k).map_err(|_| {
+                KernelError::Alignment {
+                    what: "K",
+                    value: case.k,
+                    multiple: 16,
+                }
+            })?;
+            let exact: Vec<f32> = quantized.iter().flat_map(|e| e.dequantize()).collect();
+            (exact, Weights::Nvfp4(upload_weights(client, &quantized)))
+        }
+        WeightFormat::Bf16 => {
+            let bits: Vec<u16> = w.iter().map(|&x| bf16_encode(x)).collect();
+            let data = DeviceArray::upload(client, &pack_u16_words(&bits));
+            let exact = w.iter().map(|&x| bf16_round(x)).collect();
+            (
+                exact,
+                Weights::Bf16(Bf16Weights {
+                    data,
+                    experts,
+                    n: case.n,
+                    k: case.k,
+                }),
+            )
+        }
+    })
 }
 
 /// Uploads reference-quantized experts in the layout the device's kernels read
@@ -118,39 +177,16 @@ pub fn run_gemm<R: Runtime, F: Activation>(
     timing: bool,
 ) -> Result<CaseReport, KernelError> {
     let mut rng = Rng::new(case.seed);
-    let experts = case.experts();
     let a: Vec<F> = normal_with_outliers(&mut rng, case.m * case.k, 1.0)
         .into_iter()
         .map(F::round_from)
         .collect();
     let a_exact: Vec<f32> = a.iter().map(|x| x.exact_f32()).collect();
-    let w = normal_with_outliers(&mut rng, experts * case.n * case.k, 0.05);
-    let (w_exact, weights) = match case.format {
-        WeightFormat::Nvfp4 => {
-            let quantized = quantize_experts(&w, experts, case.n, case.k).map_err(|_| {
-                KernelError::Alignment {
-                    what: "K",
-                    value: case.k,
-                    multiple: 16,
-                }
-            })?;
-            let exact: Vec<f32> = quantized.iter().flat_map(|e| e.dequantize()).collect();
-            (exact, Weights::Nvfp4(upload_weights(client, &quantized)))
-        }
-        WeightFormat::Bf16 => {
-            let bits: Vec<u16> = w.iter().map(|&x| bf16_encode(x)).collect();
-            let data = DeviceArray::upload(client, &pack_u16_words(&bits));
-            let exact = w.iter().map(|&x| bf16_round(x)).collect();
-            (
-                exact,
-                Weights::Bf16(Bf16Weights {
-                    data,
-                    experts,
-                    n: case.n,
-                    k: case.k,
-                }),
-            )
-        }
+    let (w_exact, weights) = case_weights(client, &mut rng, case)?;
+    let up = if case.gated {
+        Some(case_weights(client, &mut rng, case)?)
+    } else {
+        None
     };
     let a_dev = DeviceArray::upload(client, &a);
     let out = DeviceArray::filled(client, case.m * case.n, f32::NAN);
@@ -166,47 +202,81 @@ pub fn run_gemm<R: Runtime, F: Activation>(
         let words: Vec<u32> = o.iter().map(|&x| x as u32).collect();
         DeviceArray::upload(client, &words)
     });
-    let launch = || match (&weights, &offsets_dev) {
-        (Weights::Bf16(w), None) => bf16_gemm(client, &a_dev, case.m, w, &out, Precision::Bf16),
-        (Weights::Bf16(w), Some(off)) => {
-            bf16_grouped_gemm(client, &a_dev, case.m, w, off, &out, Precision::Bf16)
-        }
-        (Weights::Nvfp4(w), None) => nvfp4_gemm(client, &a_dev, case.m, w, &out, Precision::Bf16),
-        (Weights::Nvfp4(w), Some(off)) => {
-            nvfp4_grouped_gemm(client, &a_dev, case.m, w, off, &out, Precision::Bf16)
-        }
+    let launch = || match &up {
+        Some((_, up)) => gated_gemm(
+            client,
+            &a_dev,
+            case.m,
+            weights.operand(),
+            up.operand(),
+            offsets_dev.as_ref(),
+            &out,
+            Precision::Bf16,
+        ),
+        None => weights.operand().gemm(
+            client,
+            &a_dev,
+            case.m,
+            offsets_dev.as_ref(),
+            &out,
+            Precision::Bf16,
+        ),
     };
     launch()?;
-    let (expected, magnitude) = match &offsets {
+    let product = |w: &[f32]| match &offsets {
         None => (
-            gemm::gemm_nt(&a_exact, &w_exact, case.m, case.n, case.k),
-            gemm::gemm_nt_magnitude(&a_exact, &w_exact, case.m, case.n, case.k),
+            gemm::gemm_nt(&a_exact, w, case.m, case.n, case.k),
+            gemm::gemm_nt_magnitude(&a_exact, w, case.m, case.n, case.k),
         ),
         Some(o) => (
-            gemm::grouped_gemm_nt(&a_exact, &w_exact, o, case.n, case.k),
-            gemm::grouped_gemm_nt_magnitude(&a_exact, &w_exact, o, case.n, case.k),
+            gemm::grouped_gemm_nt(&a_exact, w, o, case.n, case.k),
+            gemm::grouped_gemm_nt_magnitude(&a_exact, w, o, case.n, case.k),
         ),
     };
+    let (sums, magnitude) = product(&w_exact);
     let actual = out.read(client);
     // The tensor-core paths round activations to bf16 and apply the NVFP4 global scale
     // to the sum (one more rounding); see `kiln_kernels::gemm`.
     let grouped = case.rows_per_expert.is_some();
-    let path = match &weights {
-        Weights::Nvfp4(w) => w.path(client, case.m, grouped, Precision::Bf16),
-        Weights::Bf16(w) => w.path(client, case.m, grouped, Precision::Bf16),
-    };
+    let path = weights
+        .operand()
+        .path(client, case.m, grouped, Precision::Bf16);
     let tensor_cores = path.rounds_activations();
     let tol = if tensor_cores {
         Tolerance::dot(case.k + 1, DType::F32, DType::F32).with_operands(DType::BF16)
     } else {
         Tolerance::dot(case.k, DType::F32, DType::F32)
     };
-    let cmp = compare(&actual, &expected, &tol.allowed_all(&expected, &magnitude));
-    let kernel = match (case.format, case.rows_per_expert.is_some()) {
-        (WeightFormat::Bf16, false) => "bf16_gemm",
-        (WeightFormat::Bf16, true) => "bf16_grouped_gemm",
-        (WeightFormat::Nvfp4, false) => "nvfp4_gemm",
-        (WeightFormat::Nvfp4, true) => "nvfp4_grouped_gemm",
+    let (expected, allowed) = match &up {
+        None => {
+            let allowed = tol.allowed_all(&sums, &magnitude);
+            (sums, allowed)
+        }
+        Some((up_exact, _)) => {
+            let (up_sums, up_magnitude) = product(up_exact);
+            (0..sums.len())
+                .map(|i| {
+                    let (g, u) = (sums[i], up_sums[i]);
+                    let (g_err, u_err) = (
+                        tol.allowed(g, magnitude[i]),
+                        tol.allowed(u, up_magnitude[i]),
+                    );
+                    (
+                        activation::silu(g) * u,
+                        swiglu_of_sums_allowed(g, u, g_err, u_err),
+                    )
+                })
+                .unzip()
+        }
+    };
+    let cmp = compare(&actual, &expected, &allowed);
+    let kernel = match (case.format, case.rows_per_expert.is_some(), case.gated) {
+        (_, false, true) => "gated_gemm",
+        (_, true, true) => "gated_grouped_gemm",
+        (WeightFormat::Bf16, false, _) => "bf16_gemm",
+        (WeightFormat::Bf16, true, _) => "bf16_grouped_gemm",
+        (WeightFormat::Nvfp4, false, _) => "nvfp4_gemm",
+        (WeightFormat::Nvfp4, true, _) => "nvfp4_grouped_gemm",
     };
     let mut report = CaseReport::from_comparison(
         kernel,

@@ -29,7 +29,7 @@ use cubecl::prelude::*;
 use half::bf16;
 
 use super::fragments::{scale_pair, TWO_POW_14};
-use super::kernel::{find_expert, find_tile};
+use super::kernel::{find_expert_in_plane, find_tile};
 use super::{Operand, OperandBuffers, WeightFormat};
 use crate::DeviceArray;
 
@@ -54,6 +54,9 @@ pub struct GemvConfig {
     /// group, one cube row per A row, working only where a run starts; with more, the grid's
     /// rows walk the runs (`find_tile`), at most `M / (8 * groups) + experts` of them.
     pub grouped: bool,
+    /// SwiGLU (`tiles == 2`): a cube's tile 0 is 16 rows of the gate weights, tile 1 the same
+    /// rows of the up weights, and it writes `silu(gate) * up` for those 16 rows.
+    pub gated: bool,
 }
 
 /// The most token groups a grouped cube takes (runs of up to 32 rows of one expert).
@@ -68,6 +71,9 @@ pub fn gemv_kernel<F: Float>(
     weights: &Array<Raw>,
     scales: &Array<Vector<u32, Const<2>>>,
     global_scales: &Array<u32>,
+    up_weights: &Array<Raw>,
+    up_scales: &Array<Vector<u32, Const<2>>>,
+    up_global_scales: &Array<u32>,
     expert_offsets: &Array<u32>,
     out: &mut Array<f32>,
     m: u32,
@@ -99,7 +105,7 @@ pub fn gemv_kernel<F: Float>(
         active = count > 0;
     } else if comptime!(cfg.grouped) {
         token0 = CUBE_POS_Y as usize;
-        expert = find_expert(expert_offsets, token0 as u32, experts) as usize;
+        expert = find_expert_in_plane(expert_offsets, token0 as u32, experts) as usize;
         let begin = expert_offsets[expert] as usize;
         let end = expert_offsets[expert + 1] as usize;
         active = (token0 - begin) % per_cube == 0;
@@ -118,28 +124,37 @@ pub fn gemv_kernel<F: Float>(
         while kc < chunks {
             if comptime!(cfg.nvfp4) {
                 nvfp4_chunks(
-                    a, weights, scales, &mut acc, expert, token0, count, n, k, kc, cfg,
+                    a, weights, scales, up_weights, up_scales, &mut acc, expert, token0, count, n,
+                    k, kc, cfg,
                 );
             } else {
-                bf16_chunks(a, weights, &mut acc, expert, token0, count, n, k, kc, cfg);
+                bf16_chunks(
+                    a, weights, up_weights, &mut acc, expert, token0, count, n, k, kc, cfg,
+                );
             }
             kc += comptime!((cfg.warps * cfg.depth) as usize);
         }
         let mut scale = 1.0f32;
+        let mut up_scale = 1.0f32;
         if comptime!(cfg.nvfp4) {
             scale = f32::reinterpret(global_scales[expert]) * TWO_POW_14;
+            if comptime!(cfg.gated) {
+                up_scale = f32::reinterpret(up_global_scales[expert]) * TWO_POW_14;
+            }
         }
-        reduce_and_store(&acc, out, token0, count, n, scale, cfg);
+        reduce_and_store(&acc, out, token0, count, n, scale, up_scale, cfg);
     }
 }
 
-/// Launches the tensor-core decode GEMM (grouped when `expert_offsets` is given). Trusts
-/// validated shapes, `k % 64 == 0` and NVFP4 weights in the fragment layout.
+/// Launches the tensor-core decode GEMM (grouped when `expert_offsets` is given); with `up`,
+/// the SwiGLU pair: `out = silu(a w^T) * (a up^T)`, `w` the gate (same shape and format).
+/// Trusts validated shapes, `k % 64 == 0` and NVFP4 weights in the fragment layout.
 pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
     client: &ComputeClient<R>,
     a: &DeviceArray<F>,
     m: usize,
     w: Operand<'_>,
+    up: Option<Operand<'_>>,
     expert_offsets: Option<&DeviceArray<u32>>,
     out: &DeviceArray<f32>,
 ) {
@@ -152,6 +167,8 @@ pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
         n,
         k,
     } = w.buffers();
+    let up = up.map(|u| u.buffers::<R>());
+    let gated = up.is_some();
     let nvfp4 = format == WeightFormat::Nvfp4;
     let grouped = expert_offsets.is_some();
     let sms = client
@@ -175,13 +192,18 @@ pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
         (true, _) => m.min(m.div_ceil(8 * groups) + experts),
     };
     // Two tiles per cube halve the activation work where the tiles still give >= 4 cubes
-    // per SM (and the accumulators of 2 tiles x groups fit the registers).
-    let tiles = if groups <= 2 && row_tiles * runs >= 8 * sms {
+    // per SM (and the accumulators of 2 tiles x groups fit the registers); a SwiGLU cube's
+    // two tiles are the gate's and the up's rows.
+    let tiles = if gated || (groups <= 2 && row_tiles * runs >= 8 * sms) {
         2
     } else {
         1
     };
-    let cubes = row_tiles.div_ceil(tiles);
+    let cubes = if gated {
+        row_tiles
+    } else {
+        row_tiles.div_ceil(tiles)
+    };
     // The time is DRAM latency unless each SM has ~100 KB of loads in flight: ~32 warps per
     // SM (few working cubes split K over more warps per cube), each loading up to 4 KB of
     // weights (all of its chunks where they fit) before decoding any. The warps' partial
@@ -202,13 +224,20 @@ pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
         warps: warps as u32,
         depth: depth as u32,
         grouped,
+        gated,
     };
     let y = match (grouped, groups) {
         (true, 1) => m,
         _ => runs,
     } as u32;
     let offsets = expert_offsets.unwrap_or(data);
-    // SAFETY: validated shapes; the weight words bind every slot the format does not read.
+    // Without `up`, the gate's buffers bind the up slots (never read).
+    let (up_data, up_scales, up_globals) = match up {
+        Some(u) => (u.data, u.scales, u.globals),
+        None => (data, scales, data.arg()),
+    };
+    // SAFETY: validated shapes (the up weights match the gate's); the weight words bind
+    // every slot the format does not read.
     unsafe {
         gemv_kernel::launch_unchecked::<F, R>(
             client,
@@ -218,6 +247,9 @@ pub(super) fn launch<R: Runtime, F: Float + CubeElement>(
             data.arg(),
             scales.arg(),
             globals,
+            up_data.arg(),
+            up_scales.arg(),
+            up_globals,
             offsets.arg(),
             out.arg(),
             m as u32,
@@ -278,6 +310,8 @@ fn nvfp4_chunks<F: Float>(
     a: &Array<Vector<F, Const<4>>>,
     weights: &Array<Raw>,
     scales: &Array<Vector<u32, Const<2>>>,
+    up_weights: &Array<Raw>,
+    up_scales: &Array<Vector<u32, Const<2>>>,
     acc: &mut Array<Acc>,
     expert: usize,
     token0: usize,
@@ -300,10 +334,15 @@ fn nvfp4_chunks<F: Float>(
         let kc = min(kc0 + d * comptime!(cfg.warps as usize), chunks - 1);
         #[unroll]
         for t in 0..tiles {
-            let rt = min(CUBE_POS_X as usize * tiles + t, row_tiles - 1);
+            let rt = min(row_tile(t, cfg), row_tiles - 1);
             let tile = (expert * row_tiles + rt) * chunks + kc;
-            raw[d * tiles + t] = weights[tile * 32 + lane];
-            sraw[d * tiles + t] = scales[tile * 8 + lane / 4];
+            if comptime!(cfg.gated && t == 1) {
+                raw[d * tiles + t] = up_weights[tile * 32 + lane];
+                sraw[d * tiles + t] = up_scales[tile * 8 + lane / 4];
+            } else {
+                raw[d * tiles + t] = weights[tile * 32 + lane];
+                sraw[d * tiles + t] = scales[tile * 8 + lane / 4];
+            }
         }
     }
     #[unroll]
@@ -353,6 +392,7 @@ fn nvfp4_chunks<F: Float>(
 fn bf16_chunks<F: Float>(
     a: &Array<Vector<F, Const<4>>>,
     weights: &Array<Raw>,
+    up_weights: &Array<Raw>,
     acc: &mut Array<Acc>,
     expert: usize,
     token0: usize,
@@ -376,11 +416,16 @@ fn bf16_chunks<F: Float>(
         for t in 0..tiles {
             #[unroll]
             for half in 0..2usize {
-                let row = min((CUBE_POS_X as usize * tiles + t) * 16 + g + half * 8, n - 1);
+                let row = min(row_tile(t, cfg) * 16 + g + half * 8, n - 1);
                 let base = (expert * n + row) * k + kc * 64 + 8 * c;
                 #[unroll]
                 for h in 0..2usize {
-                    raw[((d * tiles + t) * 2 + half) * 2 + h] = weights[(base + 32 * h) / 8];
+                    let at = ((d * tiles + t) * 2 + half) * 2 + h;
+                    if comptime!(cfg.gated && t == 1) {
+                        raw[at] = up_weights[(base + 32 * h) / 8];
+                    } else {
+                        raw[at] = weights[(base + 32 * h) / 8];
+                    }
                 }
             }
         }
@@ -406,6 +451,17 @@ fn bf16_chunks<F: Float>(
             }
             chunk_mmas(a, &af, acc, token0, count, k, kc, cfg);
         }
+    }
+}
+
+/// The 16-row weight tile a cube's tile `t` reads: `tiles` consecutive ones, or for a SwiGLU
+/// cube the same one from the gate (`t = 0`) and the up (`t = 1`) weights.
+#[cube]
+fn row_tile(#[comptime] t: usize, #[comptime] cfg: GemvConfig) -> usize {
+    if comptime!(cfg.gated) {
+        CUBE_POS_X as usize
+    } else {
+        CUBE_POS_X as usize * comptime!(cfg.tiles as usize) + t
     }
 }
 
@@ -452,9 +508,11 @@ fn chunk_mmas<F: Float>(
 }
 
 /// Sums the warps' accumulators in shared memory and writes `out[token0 + t, row] = sum *
-/// scale` for the tokens and rows that exist. Accumulator `(tile, grp, half)` of lane
-/// `(g, c)` holds rows `16 tile + g + 8 half`, tokens `8 grp + 2c` and `+ 1`.
+/// scale` for the tokens and rows that exist; a SwiGLU cube writes `silu(gate * scale) *
+/// (up * up_scale)` for its 16 rows. Accumulator `(tile, grp, half)` of lane `(g, c)` holds
+/// rows `16 tile + g + 8 half` (of tile `row_tile(tile)`), tokens `8 grp + 2c` and `+ 1`.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn reduce_and_store(
     acc: &Array<Acc>,
     out: &mut Array<f32>,
@@ -462,6 +520,7 @@ fn reduce_and_store(
     count: usize,
     n: u32,
     scale: f32,
+    up_scale: f32,
     #[comptime] cfg: GemvConfig,
 ) {
     let values = comptime!((cfg.tiles * cfg.groups * 4) as usize);
@@ -478,7 +537,9 @@ fn reduce_and_store(
     }
     sync_cube();
     let n = n as usize;
-    for o in range_stepped(unit, values * 32, units) {
+    // A SwiGLU cube's outputs are its gate tile's; the up tile's follow them.
+    let outputs = comptime!(if cfg.gated { values / 2 } else { values });
+    for o in range_stepped(unit, outputs * 32, units) {
         let mut sum = 0.0f32;
         for w in 0..comptime!(cfg.warps as usize) {
             sum += partials[w * values * 32 + o];
@@ -488,10 +549,20 @@ fn reduce_and_store(
         let half = i % 2;
         let grp = (i / 2) % comptime!(cfg.groups as usize);
         let t = i / 2 / comptime!(cfg.groups as usize);
-        let row = (CUBE_POS_X as usize * comptime!(cfg.tiles as usize) + t) * 16 + l / 4 + 8 * half;
+        let mut row = (CUBE_POS_X as usize * comptime!(cfg.tiles as usize) + t) * 16;
+        let mut value = sum * scale;
+        if comptime!(cfg.gated) {
+            row = CUBE_POS_X as usize * 16;
+            let mut up = 0.0f32;
+            for w in 0..comptime!(cfg.warps as usize) {
+                up += partials[w * values * 32 + outputs * 32 + o];
+            }
+            value = value / (1.0 + (-value).exp()) * (up * up_scale);
+        }
+        row += l / 4 + 8 * half;
         let token = grp * 8 + 2 * (l % 4) + col;
         if token < count && row < n {
-            out[(token0 + token) * n + row] = sum * scale;
+            out[(token0 + token) * n + row] = value;
         }
     }
 }

@@ -105,6 +105,30 @@ pub(super) fn find_expert(offsets: &Array<u32>, row: u32, experts: u32) -> u32 {
     lo
 }
 
+/// [`find_expert`] by a whole plane (32 lanes, all active): each round every lane reads one
+/// of 32 evenly spaced offsets of the range left and a plane sum counts those `<= row`
+/// (a prefix, the offsets being sorted), so 384 experts take 2 dependent loads, not 9.
+#[cube]
+pub(super) fn find_expert_in_plane(offsets: &Array<u32>, row: u32, experts: u32) -> u32 {
+    let mut lo = 0u32;
+    let mut width = experts;
+    while width > 1 {
+        let stride = width.div_ceil(32);
+        let probe = UNIT_POS_PLANE * stride;
+        let mut at_or_below = 0u32;
+        if probe < width {
+            if offsets[(lo + probe) as usize] <= row {
+                at_or_below = 1;
+            }
+        }
+        // At least lane 0's probe (`offsets[lo] <= row`) counts.
+        let next = lo + (plane_sum(at_or_below) - 1) * stride;
+        width = min(stride, lo + width - next);
+        lo = next;
+    }
+    lo
+}
+
 /// Grouped: finds M-slot `tile`'s expert and rows (`slot` = expert, first row, end row;
 /// an empty range when `tile` is past the last expert's tiles) when each expert's rows are
 /// cut into tiles of `rows`. Expert `e` has `ceil(count_e / rows)` tiles; unit `u` of the

@@ -81,7 +81,7 @@ pub fn nvfp4_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     match w.path(client, m, false, precision) {
-        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Nvfp4(w), None, out),
+        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Nvfp4(w), None, None, out),
         GemmPath::Skinny => skinny::launch(client, a, m, Operand::Nvfp4(w), None, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), None, out),
         GemmPath::Portable => launch_nvfp4_unchecked(client, a, m, w, None, out),
@@ -106,7 +106,7 @@ pub fn nvfp4_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
     let offsets = Some(expert_offsets);
     match w.path(client, m, true, precision) {
-        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Nvfp4(w), offsets, out),
+        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Nvfp4(w), None, offsets, out),
         GemmPath::Skinny => skinny::launch(client, a, m, Operand::Nvfp4(w), offsets, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Nvfp4(w), offsets, out),
         GemmPath::Portable => launch_nvfp4_unchecked(client, a, m, w, offsets, out),
@@ -134,7 +134,7 @@ pub fn bf16_gemm<R: Runtime, F: Float + CubeElement>(
     w.validate()?;
     validate(client, a, m, w.n, w.k, out)?;
     match w.path(client, m, false, precision) {
-        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Bf16(w), None, out),
+        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Bf16(w), None, None, out),
         GemmPath::Skinny => skinny::launch(client, a, m, Operand::Bf16(w), None, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), None, out),
         GemmPath::Portable => launch_bf16_unchecked(client, a, m, w, None, out),
@@ -157,7 +157,7 @@ pub fn bf16_grouped_gemm<R: Runtime, F: Float + CubeElement>(
     check_len("expert offsets", expert_offsets, w.experts + 1)?;
     let offsets = Some(expert_offsets);
     match w.path(client, m, true, precision) {
-        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Bf16(w), offsets, out),
+        GemmPath::Gemv => gemv::launch(client, a, m, Operand::Bf16(w), None, offsets, out),
         GemmPath::Skinny => skinny::launch(client, a, m, Operand::Bf16(w), offsets, out),
         GemmPath::TensorCores => launch_mma(client, a, m, Operand::Bf16(w), offsets, out),
         GemmPath::Portable => launch_bf16_unchecked(client, a, m, w, offsets, out),
@@ -328,10 +328,112 @@ fn uses_tensor_cores<R: Runtime>(client: &ComputeClient<R>, k: usize) -> bool {
     k.is_multiple_of(mma::BK as usize) && crate::tensor_cores::has_bf16_mma(client)
 }
 
-/// The weight operand of the tiled, GEMV and skinny launches.
-pub(super) enum Operand<'a> {
+/// A weight operand in either format: what the launches below take, and what
+/// [`gated_gemm`] pairs.
+#[derive(Clone, Copy)]
+pub enum Operand<'a> {
     Nvfp4(&'a Nvfp4Weights),
     Bf16(&'a Bf16Weights),
+}
+
+impl Operand<'_> {
+    /// `out[m, n] = a[m, k] w^T`: [`nvfp4_gemm`] and friends, grouped over experts when
+    /// `expert_offsets` is given.
+    pub fn gemm<R: Runtime, F: Float + CubeElement>(
+        &self,
+        client: &ComputeClient<R>,
+        a: &DeviceArray<F>,
+        m: usize,
+        expert_offsets: Option<&DeviceArray<u32>>,
+        out: &DeviceArray<f32>,
+        precision: Precision,
+    ) -> Result<(), KernelError> {
+        match (*self, expert_offsets) {
+            (Operand::Nvfp4(w), None) => nvfp4_gemm(client, a, m, w, out, precision),
+            (Operand::Nvfp4(w), Some(o)) => nvfp4_grouped_gemm(client, a, m, w, o, out, precision),
+            (Operand::Bf16(w), None) => bf16_gemm(client, a, m, w, out, precision),
+            (Operand::Bf16(w), Some(o)) => bf16_grouped_gemm(client, a, m, w, o, out, precision),
+        }
+    }
+
+    /// The kernel an `m`-row GEMM over these weights runs.
+    pub fn path<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        m: usize,
+        grouped: bool,
+        precision: Precision,
+    ) -> GemmPath {
+        match self {
+            Operand::Nvfp4(w) => w.path(client, m, grouped, precision),
+            Operand::Bf16(w) => w.path(client, m, grouped, precision),
+        }
+    }
+
+    fn validate(&self) -> Result<(), KernelError> {
+        match self {
+            Operand::Nvfp4(w) => w.validate(),
+            Operand::Bf16(w) => w.validate(),
+        }
+    }
+
+    /// Format, layout, experts, N and K, for comparing a gate with its up.
+    fn signature(&self) -> (WeightFormat, Option<Nvfp4Layout>, usize, usize, usize) {
+        match self {
+            Operand::Nvfp4(w) => (WeightFormat::Nvfp4, Some(w.layout), w.experts, w.n, w.k),
+            Operand::Bf16(w) => (WeightFormat::Bf16, None, w.experts, w.n, w.k),
+        }
+    }
+}
+
+/// SwiGLU over a gate and an up projection of the same format, layout and shape:
+/// `out[m, n] = silu(a gate^T) * (a up^T)` (`silu(x) = x / (1 + e^-x)`, in f32), grouped
+/// (MoE) when `expert_offsets` is given. Where the tensor-core GEMV takes the shape (CUDA
+/// decode) one launch reads both weights and writes the activation (each cube reduces 16
+/// rows of the gate and the same 16 of the up); elsewhere it runs the two GEMMs into
+/// scratch and [`silu_mul`](crate::activation::silu_mul).
+#[allow(clippy::too_many_arguments)]
+pub fn gated_gemm<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray<F>,
+    m: usize,
+    gate: Operand<'_>,
+    up: Operand<'_>,
+    expert_offsets: Option<&DeviceArray<u32>>,
+    out: &DeviceArray<f32>,
+    precision: Precision,
+) -> Result<(), KernelError> {
+    let (_, _, experts, n, k) = gate.signature();
+    if up.signature() != gate.signature() {
+        return Err(KernelError::Mismatch {
+            what: "gate and up weights (format, layout, experts, N, K)",
+            detail: format!("{:?} against {:?}", gate.signature(), up.signature()),
+        });
+    }
+    let grouped = expert_offsets.is_some();
+    if gate.path(client, m, grouped, precision) != GemmPath::Gemv {
+        let gate_out = DeviceArray::<f32>::uninit(client, m * n);
+        let up_out = DeviceArray::<f32>::uninit(client, m * n);
+        gate.gemm(client, a, m, expert_offsets, &gate_out, precision)?;
+        up.gemm(client, a, m, expert_offsets, &up_out, precision)?;
+        return crate::activation::silu_mul(client, &gate_out, &up_out, out);
+    }
+    gate.validate()?;
+    up.validate()?;
+    if !grouped && experts != 1 {
+        return Err(KernelError::Range {
+            what: "experts (dense GEMM)",
+            value: experts,
+            min: 1,
+            max: 1,
+        });
+    }
+    validate(client, a, m, n, k, out)?;
+    if let Some(offsets) = expert_offsets {
+        check_len("expert offsets", offsets, experts + 1)?;
+    }
+    gemv::launch(client, a, m, gate, Some(up), expert_offsets, out);
+    Ok(())
 }
 
 /// An operand's buffers and shape as the kernels bind them: bf16 weights bind their words to

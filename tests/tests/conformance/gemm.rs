@@ -13,8 +13,8 @@ use kiln_conformance::gemm::{run_gemm, upload_weights, GemmCase};
 use kiln_conformance::Activation;
 use kiln_kernels::gemm::fragments::{from_fragments_host, to_fragments, to_fragments_host};
 use kiln_kernels::gemm::{
-    bf16_gemm, nvfp4_gemm, nvfp4_grouped_gemm, nvfp4_layout, Bf16Weights, GemmPath, Nvfp4Layout,
-    Nvfp4Weights, WeightFormat, GEMV_MAX_M,
+    bf16_gemm, gated_gemm, nvfp4_gemm, nvfp4_grouped_gemm, nvfp4_layout, Bf16Weights, GemmPath,
+    Nvfp4Layout, Nvfp4Weights, Operand, WeightFormat, GEMV_MAX_M,
 };
 use kiln_kernels::{DeviceArray, KernelError, Precision};
 use kiln_reference::data::Rng;
@@ -258,6 +258,71 @@ fn fragment_relayout_matches_the_host_map<R: Runtime>(client: &ComputeClient<R>)
     }
 }
 
+/// SwiGLU pairs (`gated_gemm`), dense and grouped, both weight formats: shapes the
+/// tensor-core GEMV takes on CUDA (NVFP4 N % 16 == 0, K % 64 == 0; bf16 K % 64 == 0, any N,
+/// M up to 16 dense and up to 32 rows per expert grouped) and shapes it does not (odd N or
+/// K, M past 16), which run the two GEMMs and `silu_mul`.
+fn gated_pairs_match_the_reference<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
+    let gemv_dense = (
+        1usize..=16,
+        1usize..=5,
+        1usize..=3,
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_map(|(m, tiles, steps, bf16, seed)| {
+            let case = if bf16 {
+                GemmCase::bf16(m, 16 * tiles - 3, 64 * steps, seed)
+            } else {
+                GemmCase::dense(m, 16 * tiles, 64 * steps, seed)
+            };
+            case.gated()
+        });
+    run_cases::<R, F>(client, gemv_dense);
+    let gemv_grouped = (
+        prop::collection::vec(0usize..=12, 1..=6),
+        1usize..=4,
+        1usize..=2,
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_filter("at least one row", |(rows, ..)| {
+            rows.iter().sum::<usize>() > 0
+        })
+        .prop_map(|(rows, tiles, steps, bf16, seed)| {
+            let case = GemmCase::grouped(rows, 16 * tiles, 64 * steps, seed);
+            with_bf16_weights(case, bf16).gated()
+        });
+    run_cases::<R, F>(client, gemv_grouped);
+    run_cases::<R, F>(client, dense_cases().prop_map(GemmCase::gated));
+    run_cases::<R, F>(client, grouped_cases().prop_map(GemmCase::gated));
+}
+
+/// A gate and an up that differ in shape are refused before anything launches.
+fn mismatched_gate_and_up_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
+    let gate = tiny_weights(client, 4, 32);
+    let up = tiny_weights(client, 8, 32);
+    let a = DeviceArray::upload(client, &[1.0f32; 32]);
+    let out = DeviceArray::filled(client, 4, f32::NAN);
+    assert!(matches!(
+        gated_gemm(
+            client,
+            &a,
+            1,
+            Operand::Nvfp4(&gate),
+            Operand::Nvfp4(&up),
+            None,
+            &out,
+            Precision::Bf16
+        ),
+        Err(KernelError::Mismatch { .. })
+    ));
+    assert!(
+        out.read(client).iter().all(|x| x.is_nan()),
+        "nothing was written"
+    );
+}
+
 /// Decode-sized shapes from Kimi-K2, pinned.
 fn kimi_decode_shapes<R: Runtime>(client: &ComputeClient<R>) {
     for (m, n, k) in [(1, 512, 7168), (3, 7168, 256), (16, 96, 2048)] {
@@ -437,6 +502,8 @@ kiln_backends::backend_tests! {
     bf16_weights [f32, bf16],
     kimi_decode_shapes,
     two_tile_cubes_match_the_reference,
+    gated_pairs_match_the_reference [f32, bf16],
+    mismatched_gate_and_up_are_typed_errors,
     skinny_decode_shapes_match_the_reference [f32, bf16],
     tiled_shapes_match_the_reference [f32, bf16],
     tiled_weight_shapes [f32, bf16],

@@ -2,8 +2,8 @@
 //! residual + RMSNorm (fused), dense MLP or MoE (router, dispatch, grouped experts, shared
 //! expert, combine); final norm and lm_head. Every step is one of kiln's kernels.
 use cubecl::prelude::*;
-use kiln_kernels::activation::silu_mul;
 use kiln_kernels::embedding::embedding;
+use kiln_kernels::gemm::gated_gemm;
 use kiln_kernels::mla::{
     self, absorb_query, project_values, write_kv, PagedKvCache, MAX_DECODE_Q_LEN,
 };
@@ -239,15 +239,17 @@ impl<R: Runtime> GpuModel<R> {
         out: &DeviceArray<f32>,
     ) -> Result<(), ModelError> {
         let cl = &self.client;
-        let inter = m.gate.n();
-        let (g, u, act) = (
-            self.scratch(rows * inter),
-            self.scratch(rows * inter),
-            self.scratch(rows * inter),
-        );
-        self.launched(m.gate.apply(cl, x, rows, &g, self.precision))?;
-        self.launched(m.up.apply(cl, x, rows, &u, self.precision))?;
-        self.launched(silu_mul(cl, &g, &u, &act))?;
+        let act = self.scratch(rows * m.gate.n());
+        self.launched(gated_gemm(
+            cl,
+            x,
+            rows,
+            m.gate.operand(),
+            m.up.operand(),
+            None,
+            &act,
+            self.precision,
+        ))?;
         self.launched(m.down.apply(cl, &act, rows, out, self.precision))?;
         Ok(())
     }
@@ -277,23 +279,17 @@ impl<R: Runtime> GpuModel<R> {
         let rows = t * k;
         let xs = self.scratch(rows * h);
         self.launched(gather_rows(cl, x, h, &d.source, &xs))?;
-        let inter = m.experts.gate.n();
-        let (g, u, act) = (
-            self.scratch(rows * inter),
-            self.scratch(rows * inter),
-            self.scratch(rows * inter),
-        );
-        self.launched(
-            m.experts
-                .gate
-                .apply_grouped(cl, &xs, rows, &d.offsets, &g, self.precision),
-        )?;
-        self.launched(
-            m.experts
-                .up
-                .apply_grouped(cl, &xs, rows, &d.offsets, &u, self.precision),
-        )?;
-        self.launched(silu_mul(cl, &g, &u, &act))?;
+        let act = self.scratch(rows * m.experts.gate.n());
+        self.launched(gated_gemm(
+            cl,
+            &xs,
+            rows,
+            m.experts.gate.operand(),
+            m.experts.up.operand(),
+            Some(&d.offsets),
+            &act,
+            self.precision,
+        ))?;
         let expert_out = self.scratch(rows * h);
         self.launched(m.experts.down.apply_grouped(
             cl,

@@ -1,8 +1,7 @@
 //! Moving loaded weights to the device in the layouts the kernels take: bf16 pairs in words,
 //! NVFP4 codes and scales in words with f32 global scales, experts concatenated.
 use cubecl::prelude::*;
-use kiln_kernels::gemm::{bf16_gemm, bf16_grouped_gemm, nvfp4_gemm, nvfp4_grouped_gemm};
-use kiln_kernels::gemm::{Bf16Weights, Nvfp4Weights};
+use kiln_kernels::gemm::{Bf16Weights, Nvfp4Weights, Operand};
 use kiln_kernels::{DeviceArray, KernelError, Precision};
 use kiln_reference::formats::{bf16_encode, pack_u16_words};
 use kiln_reference::model::Tensor;
@@ -80,6 +79,14 @@ impl DeviceLinear {
         }
     }
 
+    /// The weights as the kernels' operand.
+    pub fn operand(&self) -> Operand<'_> {
+        match self {
+            DeviceLinear::Bf16(w) => Operand::Bf16(w),
+            DeviceLinear::Nvfp4(w) => Operand::Nvfp4(w),
+        }
+    }
+
     /// `out[m, n] = x[m, k] w^T`.
     pub fn apply<R: Runtime>(
         &self,
@@ -89,10 +96,7 @@ impl DeviceLinear {
         out: &DeviceArray<f32>,
         precision: Precision,
     ) -> Result<(), KernelError> {
-        match self {
-            DeviceLinear::Bf16(w) => bf16_gemm(client, x, m, w, out, precision),
-            DeviceLinear::Nvfp4(w) => nvfp4_gemm(client, x, m, w, out, precision),
-        }
+        self.operand().gemm(client, x, m, None, out, precision)
     }
 
     /// Grouped over experts: rows of `x` sorted by expert, `offsets` on the device.
@@ -105,9 +109,7 @@ impl DeviceLinear {
         out: &DeviceArray<f32>,
         precision: Precision,
     ) -> Result<(), KernelError> {
-        match self {
-            DeviceLinear::Bf16(w) => bf16_grouped_gemm(client, x, m, w, offsets, out, precision),
-            DeviceLinear::Nvfp4(w) => nvfp4_grouped_gemm(client, x, m, w, offsets, out, precision),
-        }
+        self.operand()
+            .gemm(client, x, m, Some(offsets), out, precision)
     }
 }
