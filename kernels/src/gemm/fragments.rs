@@ -287,11 +287,11 @@ fn encode_scale_byte(x: u32) -> u32 {
 }
 
 /// The bf16 pair `(s, s)` (`s = scale * 2^112`) of the fragment scale in byte `byte` of
-/// `word`.
+/// `word`: `(b << 4) | 0x7000` in both halves as one multiply-add (`b << 4` stays below
+/// `0x1000`, so adding `0x7000` is the or, and nothing carries into the high half).
 #[cube]
 pub fn scale_pair(word: u32, #[comptime] byte: u32) -> u32 {
-    let half = (((word >> comptime!(8 * byte)) & 0xff) << 4) | 0x7000;
-    half | (half << 16)
+    ((word >> comptime!(8 * byte)) & 0xff) * 0x0010_0010 + 0x7000_7000
 }
 
 /// `2^14`: restores the sums of products with weights decoded as `e2m1 * scale * 2^-14`

@@ -353,36 +353,40 @@ fn nvfp4_chunks<F: Float>(
             let mut af = Array::<Frag>::new(comptime!((cfg.tiles * 16) as usize));
             #[unroll]
             for t in 0..tiles {
-                let words = raw[d * tiles + t];
-                let sw = sraw[d * tiles + t];
                 #[unroll]
                 for s in 0..4usize {
-                    let q = words[s];
-                    // Rows g (registers 0, 2) and g + 8 (1, 3).
-                    let scale_word = sw[s / 2];
-                    let s_g =
-                        Frag::reinterpret(scale_pair(scale_word, comptime!(2 * (s as u32 % 2))));
-                    let s_g8 = Frag::reinterpret(scale_pair(
-                        scale_word,
-                        comptime!(2 * (s as u32 % 2) + 1),
-                    ));
+                    let a_frag = decode_step(raw[d * tiles + t][s], sraw[d * tiles + t], s);
                     #[unroll]
-                    for i in 0..4u32 {
-                        let x = q << (4 * i);
-                        let w =
-                            Frag::reinterpret((x & 0x8000_8000u32) | ((x >> 6) & 0x01c0_01c0u32));
-                        let at = (t * 4 + s) * 4 + i as usize;
-                        if comptime!(i % 2 == 0) {
-                            af[at] = w * s_g;
-                        } else {
-                            af[at] = w * s_g8;
-                        }
+                    for i in 0..4usize {
+                        af[(t * 4 + s) * 4 + i] = a_frag[i];
                     }
                 }
             }
             chunk_mmas(a, &af, acc, token0, count, k, kc, cfg);
         }
     }
+}
+
+/// The 4 A-fragment registers of step `s` from its code word `q` and the tile's scale words:
+/// register `i` is `((q << 4i) & 0x80008000) | (((q << 4i) >> 6) & 0x01c001c0)` (see the
+/// module docs) times its row's scale pair (rows `g`: registers 0, 2; `g + 8`: 1, 3).
+#[cube]
+fn decode_step(q: u32, sw: Vector<u32, Const<2>>, #[comptime] s: usize) -> Array<Frag> {
+    let scale_word = sw[s / 2];
+    let s_g = Frag::reinterpret(scale_pair(scale_word, comptime!(2 * (s as u32 % 2))));
+    let s_g8 = Frag::reinterpret(scale_pair(scale_word, comptime!(2 * (s as u32 % 2) + 1)));
+    let mut frags = Array::<Frag>::new(4usize);
+    #[unroll]
+    for i in 0..4u32 {
+        let x = q << (4 * i);
+        let w = Frag::reinterpret((x & 0x8000_8000u32) | ((x >> 6) & 0x01c0_01c0u32));
+        if comptime!(i % 2 == 0) {
+            frags[i as usize] = w * s_g;
+        } else {
+            frags[i as usize] = w * s_g8;
+        }
+    }
+    frags
 }
 
 /// Runs `cfg.depth` bf16 chunks, loading all their weights first (rows `g`, `g + 8` of each
@@ -479,7 +483,6 @@ fn chunk_mmas<F: Float>(
     kc: usize,
     #[comptime] cfg: GemvConfig,
 ) {
-    let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     #[unroll]
     for grp in 0..comptime!(cfg.groups as usize) {
         let b = activations(a, token0, count, grp, k, kc, cfg.nvfp4);
@@ -492,19 +495,38 @@ fn chunk_mmas<F: Float>(
                 for i in 0..4usize {
                     a_frag[i] = af[(t * 4 + s) * 4 + i];
                 }
-                let mut b_frag = Array::<Frag>::new(2usize);
-                b_frag[0] = b[s * 2];
-                b_frag[1] = b[s * 2 + 1];
-                let i = (t * comptime!(cfg.groups as usize) + grp) * 2;
-                let mut c = Array::<Acc>::new(2usize);
-                c[0] = acc[i];
-                c[1] = acc[i + 1];
-                mma.execute_inplace(&a_frag, &b_frag, &mut c);
-                acc[i] = c[0];
-                acc[i + 1] = c[1];
+                step_mma(
+                    &a_frag,
+                    &b,
+                    s,
+                    acc,
+                    comptime!((t * cfg.groups as usize + grp) * 2),
+                );
             }
         }
     }
+}
+
+/// One `mma.sync m16n8k16`: A fragment `a_frag`, step `s`'s B fragments of `b`, into
+/// accumulators `acc[at]`, `acc[at + 1]`.
+#[cube]
+fn step_mma(
+    a_frag: &Array<Frag>,
+    b: &Array<Frag>,
+    #[comptime] s: usize,
+    acc: &mut Array<Acc>,
+    #[comptime] at: usize,
+) {
+    let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+    let mut b_frag = Array::<Frag>::new(2usize);
+    b_frag[0] = b[s * 2];
+    b_frag[1] = b[s * 2 + 1];
+    let mut c = Array::<Acc>::new(2usize);
+    c[0] = acc[at];
+    c[1] = acc[at + 1];
+    mma.execute_inplace(a_frag, &b_frag, &mut c);
+    acc[at] = c[0];
+    acc[at + 1] = c[1];
 }
 
 /// Sums the warps' accumulators in shared memory and writes `out[token0 + t, row] = sum *
