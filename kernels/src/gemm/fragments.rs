@@ -6,10 +6,15 @@
 //! holding the 8 codes of its `mma.sync m16n8k16` A fragment: rows `g` and `g + 8`, columns
 //! `16 s + 4 c + j` for `j` in 0..4 (the fragment's logical columns `2c, 2c + 1, 2c + 8,
 //! 2c + 9` are these four; the activations are read in the same order, so the dot product is
-//! unchanged). Within the word, register `i` of the fragment (`i = 2 (j / 2) + row half`)
-//! takes its low bf16 from nibble `3 - i` and its high bf16 from nibble `7 - i`, so one
-//! shift and two masks turn a word into a register (see `gemv.rs`). A step is one NVFP4
-//! block, so one block scale per row applies to a whole MMA.
+//! unchanged). Register `i` of the fragment (`i = 2 (j / 2) + row half`) holds two codes,
+//! its low bf16 (`j` even) and its high one (`j` odd); a code's magnitude bits (exponent and
+//! mantissa, 3) and sign sit where [`fragment_register`] finds them with at most two shifts
+//! (`MAG_BIT`, `SIGN_BIT`, plus 16 for the high half): register 2 unshifted, 1 shifted left
+//! by 6, 0 by 3 (magnitudes) and 1 (signs), 3 right by 4 and left by 2. Every operation
+//! lands the code's bits on bf16's (sign 15, exponent 8..7, mantissa 6), so the register
+//! reads `e2m1 * 2^-126` exactly (code 1, 0.5, lands on the bf16 subnormal `2^-127`): 11
+//! integer operations per word, 7 of them on the ALU pipe. A step is one NVFP4 block, so one
+//! block scale per row applies to a whole MMA.
 //!
 //! Block scales: 64 bytes per tile, 8 per `g`: step `s`'s scale of row `g` at byte
 //! `2 s`, of row `g + 8` at byte `2 s + 1`; the four lanes of a `g` read the same 8 bytes.
@@ -23,6 +28,7 @@ use cubecl::prelude::*;
 
 use super::{Nvfp4Weights, BLOCK};
 use crate::formats::byte_at;
+use crate::warp_mma::Frag;
 use crate::{DeviceArray, KernelError};
 
 /// Rows per tile.
@@ -52,15 +58,63 @@ pub fn fragments_hold(scale_bytes: &[u8]) -> bool {
     scale_bytes.iter().all(|&b| b & 0x80 == 0 && b != 0x7f)
 }
 
-/// Word and nibble of code `(row, col)` of one `[n, k]` matrix in the fragment layout.
-pub fn code_position(row: usize, col: usize, k: usize) -> (usize, u32) {
+/// Lowest bit of register `i`'s low-half code magnitude (3 bits) in a fragment word.
+const MAG_BIT: [u32; 4] = [3, 0, 6, 10];
+/// Bit of register `i`'s low-half code sign in a fragment word.
+const SIGN_BIT: [u32; 4] = [14, 9, 15, 13];
+
+/// A code's place in a fragment word: register `i` (0..4), half `h` (0 low, 1 high).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    pub register: u32,
+    pub half: u32,
+}
+
+impl Slot {
+    /// The E2M1 `code` moved to this slot's bits.
+    pub fn place(self, code: u32) -> u32 {
+        let (mag, sign) = self.bits();
+        ((code & 7) << mag) | ((code >> 3) << sign)
+    }
+
+    /// The code in this slot of `word`.
+    pub fn take(self, word: u32) -> u32 {
+        let (mag, sign) = self.bits();
+        ((word >> mag) & 7) | (((word >> sign) & 1) << 3)
+    }
+
+    fn bits(self) -> (u32, u32) {
+        let i = self.register as usize;
+        (MAG_BIT[i] + 16 * self.half, SIGN_BIT[i] + 16 * self.half)
+    }
+}
+
+/// Word and slot of code `(row, col)` of one `[n, k]` matrix in the fragment layout.
+pub fn code_position(row: usize, col: usize, k: usize) -> (usize, Slot) {
     let tile = (row / TILE_ROWS) * (k / TILE_K) + col / TILE_K;
-    let (g, half) = (row % 8, (row % TILE_ROWS) / 8);
+    let (g, row_half) = (row % 8, (row % TILE_ROWS) / 8);
     let kk = col % TILE_K;
     let (step, c, j) = (kk / 16, (kk % 16) / 4, kk % 4);
-    let reg = 2 * (j / 2) + half;
-    let nibble = if j % 2 == 0 { 3 - reg } else { 7 - reg };
-    (tile * 128 + (4 * g + c) * 4 + step, nibble as u32)
+    let slot = Slot {
+        register: (2 * (j / 2) + row_half) as u32,
+        half: (j % 2) as u32,
+    };
+    (tile * 128 + (4 * g + c) * 4 + step, slot)
+}
+
+/// Register `i` of a fragment word as two bf16 codes (`e2m1 * 2^-126` each; see the module
+/// docs): the bits of slots `(i, 0)` and `(i, 1)` moved onto bf16's.
+#[cube]
+pub fn fragment_register(q: u32, #[comptime] i: u32) -> u32 {
+    let mut r = q & 0x81c0_81c0u32;
+    if comptime!(i == 0) {
+        r = ((q << 3) & 0x01c0_01c0u32) | ((q << 1) & 0x8000_8000u32);
+    } else if comptime!(i == 1) {
+        r = (q << 6) & 0x81c0_81c0u32;
+    } else if comptime!(i == 3) {
+        r = ((q >> 4) & 0x01c0_01c0u32) | ((q << 2) & 0x8000_8000u32);
+    }
+    r
 }
 
 /// Byte of block `block` (columns `16 block..16 block + 16`) of row `row`'s scale.
@@ -109,9 +163,9 @@ pub fn to_fragments_host(
         let flat = row * k + col;
         let scale = scales[scale_base + flat / BLOCK];
         let code = (codes[code_base + flat / 8] >> (4 * (flat % 8))) & 0xf;
-        let (word, nibble) = code_position(row, col, k);
+        let (word, slot) = code_position(row, col, k);
         if scale != 0 {
-            out_codes[code_base + word] |= code << (4 * nibble);
+            out_codes[code_base + word] |= slot.place(code);
         }
         if col % BLOCK == 0 {
             out_scales[scale_base + scale_position(row, col / BLOCK, k)] = encode_scale(scale);
@@ -133,8 +187,8 @@ pub fn from_fragments_host(
     for (e, row, col) in positions(experts, n, k) {
         let (code_base, scale_base) = (e * n * k / 8, e * n * k / BLOCK);
         let flat = row * k + col;
-        let (word, nibble) = code_position(row, col, k);
-        let code = (codes[code_base + word] >> (4 * nibble)) & 0xf;
+        let (word, slot) = code_position(row, col, k);
+        let code = slot.take(codes[code_base + word]);
         out_codes[code_base + flat / 8] |= code << (4 * (flat % 8));
         if col % BLOCK == 0 {
             out_scales[scale_base + flat / BLOCK] =
@@ -240,15 +294,20 @@ fn code_tiles_kernel(
         let mut word = 0u32;
         #[unroll]
         for j in 0..4u32 {
-            let half = j % 2;
-            // Registers 2 (j / 2) (row g) and 2 (j / 2) + 1 (row g + 8).
-            let reg = 2 * (j / 2);
-            let nibble = select(half == 0, 3 - reg, 7 - reg);
-            word |= ((lo >> (4 * j)) & 0xf) << (4 * nibble);
-            word |= ((hi >> (4 * j)) & 0xf) << (4 * (nibble - 1));
+            // Half j % 2 of registers 2 (j / 2) (row g) and 2 (j / 2) + 1 (row g + 8).
+            let (lo_code, hi_code) = ((lo >> (4 * j)) & 0xf, (hi >> (4 * j)) & 0xf);
+            let (lo_mag, lo_sign) = comptime!(slot_bits(2 * (j / 2), j % 2));
+            let (hi_mag, hi_sign) = comptime!(slot_bits(2 * (j / 2) + 1, j % 2));
+            word |= ((lo_code & 7) << lo_mag) | ((lo_code >> 3) << lo_sign);
+            word |= ((hi_code & 7) << hi_mag) | ((hi_code >> 3) << hi_sign);
         }
         dst[w] = word;
     }
+}
+
+/// (magnitude, sign) bits of slot `(register, half)`, for the device re-layout.
+fn slot_bits(register: u32, half: u32) -> (u32, u32) {
+    Slot { register, half }.bits()
 }
 
 /// One unit per fragment scale word (4 bytes: steps `2q`, `2q + 1` of rows `g`, `g + 8`).
@@ -294,6 +353,26 @@ pub fn scale_pair(word: u32, #[comptime] byte: u32) -> u32 {
     ((word >> comptime!(8 * byte)) & 0xff) * 0x0010_0010 + 0x7000_7000
 }
 
+/// The 4 A-fragment registers of step `s` from its code word `q` and the scale word of
+/// steps `s / 2 * 2..+2`: each [`fragment_register`] times its row's [`scale_pair`] (rows
+/// `g`: registers 0, 2; `g + 8`: 1, 3), `e2m1 * scale * 2^-14` exactly.
+#[cube]
+pub fn decode_step(q: u32, scale_word: u32, #[comptime] s: usize) -> Array<Frag> {
+    let s_g = Frag::reinterpret(scale_pair(scale_word, comptime!(2 * (s as u32 % 2))));
+    let s_g8 = Frag::reinterpret(scale_pair(scale_word, comptime!(2 * (s as u32 % 2) + 1)));
+    let mut frags = Array::<Frag>::new(4usize);
+    #[unroll]
+    for i in 0..4u32 {
+        let w = Frag::reinterpret(fragment_register(q, i));
+        if comptime!(i % 2 == 0) {
+            frags[i as usize] = w * s_g;
+        } else {
+            frags[i as usize] = w * s_g8;
+        }
+    }
+    frags
+}
+
 /// `2^14`: restores the sums of products with weights decoded as `e2m1 * scale * 2^-14`
 /// (codes read as `e2m1 * 2^-126`, times the stored `scale * 2^112`).
 pub const TWO_POW_14: f32 = 16384.0;
@@ -313,9 +392,9 @@ mod tests {
             let mut scales = vec![false; n * k / BLOCK];
             for row in 0..n {
                 for col in 0..k {
-                    let (word, nibble) = code_position(row, col, k);
-                    assert_eq!(codes[word] & (0xf << (4 * nibble)), 0, "({row}, {col})");
-                    codes[word] |= 0xf << (4 * nibble);
+                    let (word, slot) = code_position(row, col, k);
+                    assert_eq!(codes[word] & slot.place(0xf), 0, "({row}, {col})");
+                    codes[word] |= slot.place(0xf);
                     if col % BLOCK == 0 {
                         let byte = scale_position(row, col / BLOCK, k);
                         assert!(!scales[byte], "scale ({row}, {})", col / BLOCK);
@@ -329,16 +408,49 @@ mod tests {
     }
 
     /// Fragment word `s` of lane `(g, c)` holds rows `g`, `g + 8`, columns `16 s + 4 c + j`,
-    /// register `i = 2 (j / 2) + half` in nibbles `3 - i` (even `j`) and `7 - i` (odd `j`).
+    /// register `i = 2 (j / 2) + row half`, low half for even `j`, high for odd.
     #[test]
     fn a_lane_word_holds_its_fragment() {
         let k = 128;
         // Lane 9 = (g 2, c 1), second column tile, step 3.
-        let (word, nibble) = code_position(2, 64 + 48 + 4, k);
-        assert_eq!((word, nibble), (128 + 9 * 4 + 3, 3));
-        let (word, nibble) = code_position(10, 64 + 48 + 4 + 3, k);
-        assert_eq!((word, nibble), (128 + 9 * 4 + 3, 4));
+        let (word, slot) = code_position(2, 64 + 48 + 4, k);
+        let expected = Slot {
+            register: 0,
+            half: 0,
+        };
+        assert_eq!((word, slot), (128 + 9 * 4 + 3, expected));
+        let (word, slot) = code_position(10, 64 + 48 + 4 + 3, k);
+        let expected = Slot {
+            register: 3,
+            half: 1,
+        };
+        assert_eq!((word, slot), (128 + 9 * 4 + 3, expected));
         assert_eq!(scale_position(10, 7, k), 64 + 2 * 8 + 2 * 3 + 1);
+    }
+
+    /// `fragment_register`'s shifts and masks, on the host: every code in every slot lands on
+    /// bf16's sign, exponent and mantissa bits of its register's half, and nothing else does.
+    #[test]
+    fn registers_read_every_slot_as_bf16() {
+        let register = |q: u32, i: u32| match i {
+            0 => ((q << 3) & 0x01c0_01c0) | ((q << 1) & 0x8000_8000),
+            1 => (q << 6) & 0x81c0_81c0,
+            2 => q & 0x81c0_81c0,
+            _ => ((q >> 4) & 0x01c0_01c0) | ((q << 2) & 0x8000_8000),
+        };
+        for i in 0..4 {
+            for half in 0..2 {
+                for code in 0..16u32 {
+                    let slot = Slot { register: i, half };
+                    let bf16_bits = ((code & 8) << 12) | ((code & 7) << 6);
+                    // Alone, and with every other slot of the word set.
+                    assert_eq!(register(slot.place(code), i), bf16_bits << (16 * half));
+                    let others = !slot.place(0xf);
+                    let got = register(others | slot.place(code), i) >> (16 * half) & 0xffff;
+                    assert_eq!(got, bf16_bits, "slot ({i}, {half}), code {code}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -11,13 +11,13 @@
 //! shared memory.
 //!
 //! NVFP4 weights come in the fragment layout (`fragments.rs`): a lane's word per 16-column
-//! step is its 8 codes, and register `i` of the A fragment is
-//! `((q << 4i) & 0x80008000) | (((q << 4i) >> 6) & 0x01c001c0)`: the code's sign, exponent
-//! and mantissa bits moved into bf16's, which reads `e2m1 * 2^-126` exactly (code 1, 0.5,
-//! lands on the bf16 subnormal `2^-127`). One bf16x2 multiply by the row's block scale as
-//! stored there (`scale * 2^112`) makes it `e2m1 * scale * 2^-14`: normal and exact (at most
-//! 6 significant bits), so the MMAs accumulate every step into one accumulator and
-//! `2^14 * global` is applied once at the end.
+//! step is its 8 codes, placed so that `fragment_register` moves each register's two codes
+//! onto bf16's sign, exponent and mantissa bits with at most two shifts and two masks
+//! (`e2m1 * 2^-126`, exact; code 1, 0.5, lands on the bf16 subnormal `2^-127`). One bf16x2
+//! multiply by the row's block scale as stored there (`scale * 2^112`) makes it
+//! `e2m1 * scale * 2^-14`: normal and exact (at most 6 significant bits), so the MMAs
+//! accumulate every step into one accumulator and `2^14 * global` is applied once at the
+//! end (`fragments::decode_step`).
 //!
 //! bf16 weights stay row-major: a lane reads 16 contiguous bytes of rows `g` and `g + 8` per
 //! 32 columns, and the activations are read in the same permuted column order (fragment
@@ -28,13 +28,12 @@
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::fragments::{scale_pair, TWO_POW_14};
+use super::fragments::{decode_step, TWO_POW_14};
 use super::kernel::{find_expert_in_plane, find_tile};
 use super::{Operand, OperandBuffers, WeightFormat};
+use crate::warp_mma::{Acc, Frag};
 use crate::DeviceArray;
 
-type Frag = Vector<bf16, Const<2>>;
-type Acc = Vector<f32, Const<2>>;
 type Raw = Vector<u32, Const<4>>;
 
 /// Compile-time shape of the kernel.
@@ -355,7 +354,8 @@ fn nvfp4_chunks<F: Float>(
             for t in 0..tiles {
                 #[unroll]
                 for s in 0..4usize {
-                    let a_frag = decode_step(raw[d * tiles + t][s], sraw[d * tiles + t], s);
+                    let sw = sraw[d * tiles + t];
+                    let a_frag = decode_step(raw[d * tiles + t][s], sw[s / 2], s);
                     #[unroll]
                     for i in 0..4usize {
                         af[(t * 4 + s) * 4 + i] = a_frag[i];
@@ -365,28 +365,6 @@ fn nvfp4_chunks<F: Float>(
             chunk_mmas(a, &af, acc, token0, count, k, kc, cfg);
         }
     }
-}
-
-/// The 4 A-fragment registers of step `s` from its code word `q` and the tile's scale words:
-/// register `i` is `((q << 4i) & 0x80008000) | (((q << 4i) >> 6) & 0x01c001c0)` (see the
-/// module docs) times its row's scale pair (rows `g`: registers 0, 2; `g + 8`: 1, 3).
-#[cube]
-fn decode_step(q: u32, sw: Vector<u32, Const<2>>, #[comptime] s: usize) -> Array<Frag> {
-    let scale_word = sw[s / 2];
-    let s_g = Frag::reinterpret(scale_pair(scale_word, comptime!(2 * (s as u32 % 2))));
-    let s_g8 = Frag::reinterpret(scale_pair(scale_word, comptime!(2 * (s as u32 % 2) + 1)));
-    let mut frags = Array::<Frag>::new(4usize);
-    #[unroll]
-    for i in 0..4u32 {
-        let x = q << (4 * i);
-        let w = Frag::reinterpret((x & 0x8000_8000u32) | ((x >> 6) & 0x01c0_01c0u32));
-        if comptime!(i % 2 == 0) {
-            frags[i as usize] = w * s_g;
-        } else {
-            frags[i as usize] = w * s_g8;
-        }
-    }
-    frags
 }
 
 /// Runs `cfg.depth` bf16 chunks, loading all their weights first (rows `g`, `g + 8` of each

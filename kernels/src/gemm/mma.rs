@@ -26,7 +26,7 @@
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::fragments::{scale_pair, TWO_POW_14};
+use super::fragments::{decode_step, TWO_POW_14};
 use super::kernel::find_tile;
 use super::WeightFormat;
 use crate::formats::{e2m1_to_f32, e4m3_to_f32};
@@ -169,33 +169,16 @@ pub fn mma_gemm_kernel<F: Float>(
             // Weights: 32 values -> 4 vectors of 8 bf16.
             if comptime!(fragments) {
                 // One fragment word per step: registers R0..R3 (rows g, g + 8, g, g + 8),
-                // each from nibbles 3 - i (low) and 7 - i (high). As in the GEMV (`gemv.rs`):
-                // the two codes' sign, exponent and mantissa bits moved into a bf16 pair read
-                // `e2m1 * 2^-126`, and one bf16x2 multiply by the stored scale pair
-                // (`scale * 2^112`) gives `e2m1 * scale * 2^-14` exactly; `2^14` goes with the
-                // global scale at the end.
+                // decoded as in the GEMV (`fragments::decode_step`): `e2m1 * scale * 2^-14`
+                // exactly; `2^14` goes with the global scale at the end.
                 #[unroll]
                 for s in 0..4usize {
-                    let word = w_raw[0][s];
-                    let scale_word = s_raw[s / 2];
-                    let s_g =
-                        Frag::reinterpret(scale_pair(scale_word, comptime!(2 * (s as u32 % 2))));
-                    let s_g8 = Frag::reinterpret(scale_pair(
-                        scale_word,
-                        comptime!(2 * (s as u32 % 2) + 1),
-                    ));
+                    let frags = decode_step(w_raw[0][s], s_raw[s / 2], s);
                     let mut v = Bf16x8::empty();
                     #[unroll]
-                    for i in 0..4u32 {
-                        let x = word << (4 * i);
-                        let w =
-                            Frag::reinterpret((x & 0x8000_8000u32) | ((x >> 6) & 0x01c0_01c0u32));
-                        let mut pair = w * s_g8;
-                        if comptime!(i % 2 == 0) {
-                            pair = w * s_g;
-                        }
-                        v[2 * i as usize] = pair[0];
-                        v[2 * i as usize + 1] = pair[1];
+                    for i in 0..4usize {
+                        v[2 * i] = frags[i][0];
+                        v[2 * i + 1] = frags[i][1];
                     }
                     w_s[((unit / 32) * 4 + s) * 32 + lane] = v;
                 }
