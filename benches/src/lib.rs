@@ -1,4 +1,5 @@
 //! Shared pieces of kiln's GPU benchmarks: the Kimi-K2 layer shape and its byte counts.
+use kiln_kernels::mla::KvFormat;
 use kiln_reference::model::ModelConfig;
 
 #[cfg(feature = "cuda")]
@@ -75,12 +76,17 @@ pub fn experts_touched(c: &ModelConfig, tokens: usize) -> f64 {
     e * (1.0 - (1.0 - 1.0 / e).powf((tokens * c.num_experts_per_tok) as f64))
 }
 
-/// The bandwidth floor of one layer's step: weights touched plus bf16 KV read, over
-/// [`HBM_BYTES_PER_S`].
-pub fn floor_seconds(c: &ModelConfig, tokens: usize, kv_tokens_read: usize) -> (f64, f64) {
+/// The bandwidth floor of one layer's step: weights touched plus the KV rows read (in
+/// `kv`: 1152 bytes a row in bf16, 656 in fp8), over [`HBM_BYTES_PER_S`].
+pub fn floor_seconds(
+    c: &ModelConfig,
+    tokens: usize,
+    kv_tokens_read: usize,
+    kv: KvFormat,
+) -> (f64, f64) {
     let bytes = dense_weight_bytes(c)
         + experts_touched(c, tokens) * expert_bytes(c)
-        + kv_tokens_read as f64 * 1152.0;
+        + kv_tokens_read as f64 * (4 * kv.words_per_row()) as f64;
     (bytes, bytes / HBM_BYTES_PER_S)
 }
 

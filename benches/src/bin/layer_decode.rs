@@ -4,7 +4,8 @@
 //! model's forward, halved, so the embedding, lm_head and host work of a step cancel out.
 //!
 //! The forward is run and its logits read back once before timing (kernel compilation);
-//! the KV cache is filled with random bf16 values (never zeros). Prints a table, writes JSON.
+//! the KV cache (bf16, or fp8 with `--kv fp8`) is filled with random finite values (never
+//! zeros). Prints a table, writes JSON.
 use std::time::Instant;
 
 use anyhow::Context;
@@ -28,6 +29,9 @@ struct Args {
     /// Context lengths (tokens already cached per request).
     #[arg(long, value_delimiter = ',', default_value = "8192,32768,100000")]
     contexts: Vec<usize>,
+    /// KV cache format: bf16 or fp8 (FlashMLA's row: E4M3 latent, f32 scales, bf16 rope).
+    #[arg(long, default_value = "bf16", value_parser = parse_kv)]
+    kv: KvFormat,
     /// Prefill length (0 to skip).
     #[arg(long, default_value_t = 8192)]
     prefill: usize,
@@ -41,9 +45,18 @@ struct Args {
 
 const PAGE: usize = 64;
 
+fn parse_kv(s: &str) -> Result<KvFormat, String> {
+    match s {
+        "bf16" => Ok(KvFormat::Bf16),
+        "fp8" => Ok(KvFormat::Fp8),
+        _ => Err(format!("unknown KV format {s:?} (bf16 or fp8)")),
+    }
+}
+
 #[derive(serde::Serialize)]
 struct Point {
     kind: &'static str,
+    kv: &'static str,
     batch: usize,
     context: usize,
     layer_ms: f64,
@@ -69,17 +82,18 @@ impl BackendVisitor for Bench {
         let one = GpuModel::synthetic(client.clone(), kimi_k2_layers(1, 1024), 1)?;
         let three = GpuModel::synthetic(client.clone(), kimi_k2_layers(3, 1024), 2)?;
         let mut points = Vec::new();
+        let kv = self.args.kv;
         for &b in &self.args.batches {
             for &ctx in &self.args.contexts {
-                let t = layer_timing(&one, &three, b, ctx, 1, self.args.reps)?;
-                points.push(point("decode", &three, b, ctx, t, b * ctx));
+                let t = layer_timing(&one, &three, b, ctx, 1, self.args.reps, kv)?;
+                points.push(point("decode", &three, b, ctx, t, b * ctx, kv));
                 eprintln!("decode batch {b} context {ctx}: {:.3} ms per layer", t.ms);
             }
         }
         if self.args.prefill > 0 {
             let n = self.args.prefill;
-            let t = layer_timing(&one, &three, 1, n, n, self.args.reps)?;
-            points.push(point("prefill", &three, 1, n, t, n * (n + 1) / 2));
+            let t = layer_timing(&one, &three, 1, n, n, self.args.reps, kv)?;
+            points.push(point("prefill", &three, 1, n, t, n * (n + 1) / 2, kv));
             eprintln!("prefill {n}: {:.3} ms per layer", t.ms);
         }
         Ok(points)
@@ -101,12 +115,14 @@ fn point<R: Runtime>(
     ctx: usize,
     t: LayerTiming,
     kv_read: usize,
+    kv: KvFormat,
 ) -> Point {
     let ms = t.ms;
     let tokens = if kind == "prefill" { ctx } else { batch };
-    let (bytes, floor) = floor_seconds(&m.config, tokens, kv_read);
+    let (bytes, floor) = floor_seconds(&m.config, tokens, kv_read, kv);
     Point {
         kind,
+        kv: if kv == KvFormat::Fp8 { "fp8" } else { "bf16" },
         batch,
         context: ctx,
         layer_ms: ms,
@@ -129,9 +145,10 @@ fn layer_timing<R: Runtime>(
     context: usize,
     new: usize,
     reps: usize,
+    kv: KvFormat,
 ) -> anyhow::Result<LayerTiming> {
-    let t1 = step_timing(one, batch, context, new, reps)?;
-    let t3 = step_timing(three, batch, context, new, reps)?;
+    let t1 = step_timing(one, batch, context, new, reps, kv)?;
+    let t3 = step_timing(three, batch, context, new, reps, kv)?;
     Ok(LayerTiming {
         ms: (t3.ms - t1.ms) / 2.0,
         launches: (t3.launches - t1.launches) / 2.0,
@@ -146,17 +163,18 @@ fn step_timing<R: Runtime>(
     context: usize,
     new: usize,
     reps: usize,
+    kv: KvFormat,
 ) -> anyhow::Result<LayerTiming> {
     let pages_per = context.div_ceil(PAGE);
-    let pool: KvPool = m.kv_pool(batch * pages_per, PAGE, KvFormat::Bf16);
+    let pool: KvPool = m.kv_pool(batch * pages_per, PAGE, kv);
+    // bf16: sign, exponent 0x7e..0x7f (0.5..2); fp8: bytes of at most 0xb7, which no E4M3
+    // NaN, f32 scale or bf16 rope value of the row reaches (all finite, exponents <= 0x6f).
+    let (and, or) = match kv {
+        KvFormat::Fp8 => (0xb7b7_b7b7, 0),
+        _ => (0x807f_807f, 0x3f00_3f00),
+    };
     for (i, cache) in pool.caches.iter().enumerate() {
-        fill_random_bits(
-            m.client(),
-            &cache.data,
-            7 + i as u32,
-            0x807f_807f,
-            0x3f00_3f00,
-        )?;
+        fill_random_bits(m.client(), &cache.data, 7 + i as u32, and, or)?;
     }
     let requests = (0..batch)
         .map(|b| RequestSlice {
