@@ -296,6 +296,18 @@ fn gated_pairs_match_the_reference<R: Runtime, F: Activation>(client: &ComputeCl
     run_cases::<R, F>(client, gemv_grouped);
     run_cases::<R, F>(client, dense_cases().prop_map(GemmCase::gated));
     run_cases::<R, F>(client, grouped_cases().prop_map(GemmCase::gated));
+    // 104 and 123 rows over 5 experts: the GEMV's runs of 3 and 4 token groups.
+    for (i, rows) in [vec![30, 25, 0, 32, 17], vec![32, 31, 28, 0, 32]]
+        .into_iter()
+        .enumerate()
+    {
+        for bf16 in [false, true] {
+            let case = GemmCase::grouped(rows.clone(), 48, 128, 60 + i as u64);
+            run_gemm::<R, F>(client, &with_bf16_weights(case, bf16).gated(), false)
+                .unwrap()
+                .assert_passed();
+        }
+    }
 }
 
 /// A gate and an up that differ in shape are refused before anything launches.
