@@ -37,8 +37,8 @@ case "${1:-}" in
     cp "$(test_exe kiln-conformance conformance)" .gpu/conformance
     cp "$(test_exe kiln hf_conformance)" .gpu/hf_conformance
     cp target/cuda/release/kiln target/cuda/release/layer_decode target/cuda/release/gemm_peer \
-      target/cuda/release/gemm_decode target/cuda/release/mla_decode \
-      target/cuda/release/tree_verify .gpu/
+      target/cuda/release/gemm_decode target/cuda/release/moe_grouped \
+      target/cuda/release/mla_decode target/cuda/release/tree_verify .gpu/
     strip .gpu/*
     ls -la .gpu
     ;;
