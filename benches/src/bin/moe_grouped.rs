@@ -9,9 +9,9 @@
 //! uniformly at random (seeded); rows are sorted by expert and the offsets uploaded. Before
 //! timing, 64 sampled outputs (row, column) are checked against 64-bit sums of the exact
 //! operands (the pair: `silu(gate) * up` of those sums), the weights recomputed on the host
-//! from the fill's hash. Timing:
-//! `kiln_benches::device_time`. Floor bytes = touched experts x (codes + block scales) +
-//! activations; GB/s and % of the 4.30 TB/s copy ceiling; the target is >= 75%.
+//! from the fill's hash. Timing: `kiln_benches::device_time`. Floor bytes = touched experts x
+//! (codes + block scales; both projections for the pair) + activations; GB/s and % of the
+//! 4.30 TB/s copy ceiling; the target is >= 75%.
 //! Prints a table, writes JSON to the first argument.
 
 #[cfg(feature = "cuda")]
