@@ -116,6 +116,8 @@ pub(super) fn find_expert_in_plane(offsets: &Array<u32>, row: u32, experts: u32)
         let stride = width.div_ceil(32);
         let probe = UNIT_POS_PLANE * stride;
         let mut at_or_below = 0u32;
+        // Nested: a kernel's `&&` evaluates both sides, and the read must stay in bounds.
+        #[allow(clippy::collapsible_if)]
         if probe < width {
             if offsets[(lo + probe) as usize] <= row {
                 at_or_below = 1;
