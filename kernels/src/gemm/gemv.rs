@@ -31,7 +31,7 @@ use half::bf16;
 use super::fragments::{decode_step, TWO_POW_14};
 use super::kernel::{find_expert_in_plane, find_tile};
 use super::{Operand, OperandBuffers, WeightFormat};
-use crate::warp_mma::{Acc, Frag};
+use crate::warp_mma::{mma_step, Acc, Frag};
 use crate::DeviceArray;
 
 type Raw = Vector<u32, Const<4>>;
@@ -468,43 +468,17 @@ fn chunk_mmas<F: Float>(
         for t in 0..comptime!(cfg.tiles as usize) {
             #[unroll]
             for s in 0..4usize {
-                let mut a_frag = Array::<Frag>::new(4usize);
-                #[unroll]
-                for i in 0..4usize {
-                    a_frag[i] = af[(t * 4 + s) * 4 + i];
-                }
-                step_mma(
-                    &a_frag,
+                mma_step(
+                    af,
+                    comptime!((t * 4 + s) * 4),
                     &b,
-                    s,
+                    comptime!(s * 2),
                     acc,
                     comptime!((t * cfg.groups as usize + grp) * 2),
                 );
             }
         }
     }
-}
-
-/// One `mma.sync m16n8k16`: A fragment `a_frag`, step `s`'s B fragments of `b`, into
-/// accumulators `acc[at]`, `acc[at + 1]`.
-#[cube]
-fn step_mma(
-    a_frag: &Array<Frag>,
-    b: &Array<Frag>,
-    #[comptime] s: usize,
-    acc: &mut Array<Acc>,
-    #[comptime] at: usize,
-) {
-    let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
-    let mut b_frag = Array::<Frag>::new(2usize);
-    b_frag[0] = b[s * 2];
-    b_frag[1] = b[s * 2 + 1];
-    let mut c = Array::<Acc>::new(2usize);
-    c[0] = acc[at];
-    c[1] = acc[at + 1];
-    mma.execute_inplace(a_frag, &b_frag, &mut c);
-    acc[at] = c[0];
-    acc[at + 1] = c[1];
 }
 
 /// Sums the warps' accumulators in shared memory and writes `out[token0 + t, row] = sum *
