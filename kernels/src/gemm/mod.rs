@@ -410,6 +410,8 @@ pub fn gated_gemm<R: Runtime, F: Float + CubeElement>(
             detail: format!("{:?} against {:?}", gate.signature(), up.signature()),
         });
     }
+    // Before any scratch is sized from `m`.
+    validate(client, a, m, n, k, out)?;
     let grouped = expert_offsets.is_some();
     if gate.path(client, m, grouped, precision) != GemmPath::Gemv {
         let gate_out = DeviceArray::<f32>::uninit(client, m * n);
@@ -428,7 +430,6 @@ pub fn gated_gemm<R: Runtime, F: Float + CubeElement>(
             max: 1,
         });
     }
-    validate(client, a, m, n, k, out)?;
     if let Some(offsets) = expert_offsets {
         check_len("expert offsets", offsets, experts + 1)?;
     }

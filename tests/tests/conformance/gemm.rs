@@ -310,24 +310,40 @@ fn gated_pairs_match_the_reference<R: Runtime, F: Activation>(client: &ComputeCl
     }
 }
 
-/// A gate and an up that differ in shape are refused before anything launches.
-fn mismatched_gate_and_up_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
+/// A gate and an up that differ in shape, M = 0 and a short output are refused before
+/// anything launches (or any scratch is sized from M).
+fn bad_gated_inputs_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
     let gate = tiny_weights(client, 4, 32);
     let up = tiny_weights(client, 8, 32);
-    let a = DeviceArray::upload(client, &[1.0f32; 32]);
+    let a = DeviceArray::upload(client, &[1.0f32; 64]);
     let out = DeviceArray::filled(client, 4, f32::NAN);
-    assert!(matches!(
+    let pair = |up: &Nvfp4Weights, m: usize, out: &DeviceArray<f32>| {
         gated_gemm(
             client,
             &a,
-            1,
+            m,
             Operand::Nvfp4(&gate),
-            Operand::Nvfp4(&up),
+            Operand::Nvfp4(up),
             None,
-            &out,
-            Precision::Bf16
-        ),
+            out,
+            Precision::Bf16,
+        )
+    };
+    assert!(matches!(
+        pair(&up, 1, &out),
         Err(KernelError::Mismatch { .. })
+    ));
+    let same = tiny_weights(client, 4, 32);
+    assert!(matches!(
+        pair(&same, 0, &out),
+        Err(KernelError::Range { what: "M", .. })
+    ));
+    assert!(matches!(
+        pair(&same, 2, &out),
+        Err(KernelError::Length {
+            what: "output C",
+            ..
+        })
     ));
     assert!(
         out.read(client).iter().all(|x| x.is_nan()),
@@ -515,7 +531,7 @@ kiln_backends::backend_tests! {
     kimi_decode_shapes,
     two_tile_cubes_match_the_reference,
     gated_pairs_match_the_reference [f32, bf16],
-    mismatched_gate_and_up_are_typed_errors,
+    bad_gated_inputs_are_typed_errors,
     skinny_decode_shapes_match_the_reference [f32, bf16],
     tiled_shapes_match_the_reference [f32, bf16],
     tiled_weight_shapes [f32, bf16],
