@@ -1,4 +1,5 @@
 //! Shared pieces of kiln's GPU benchmarks: the Kimi-K2 layer shape and its byte counts.
+use kiln_kernels::fill::Field;
 use kiln_kernels::mla::KvFormat;
 use kiln_reference::model::ModelConfig;
 
@@ -14,6 +15,18 @@ pub fn fill_word(i: u32, seed: u32, and_mask: u32, or_mask: u32) -> u32 {
     let state = x.wrapping_mul(747796405).wrapping_add(2891336453);
     let w = ((state >> ((state >> 28) + 4)) ^ state).wrapping_mul(277803737);
     (((w >> 22) ^ w) & and_mask) | or_mask
+}
+
+/// The fill of an fp8 KV cache: finite E4M3 codes and bf16 rope values under `masks`, and
+/// its scale words (128..132 of each 164-word row) powers of two in `[2^-7, 1]`, as
+/// `write_kv` stores them.
+pub fn fp8_kv_scales() -> Field {
+    Field {
+        period: 164,
+        words: 128..132,
+        and_mask: 0x0380_0000,
+        or_mask: 0x3c00_0000,
+    }
 }
 
 /// The copy bandwidth measured on the H200 (read + write), the floor's denominator.

@@ -3,7 +3,11 @@
 //! masks shape the bits into valid values (e.g. NVFP4 codes are any nibble; E4M3 scales and
 //! bf16 values keep their exponents in a chosen range). The hash is a 32-bit integer mix
 //! (PCG's output permutation on `i * golden + seed`); statistical quality is beside the
-//! point, every bit pattern allowed by the masks just has to show up.
+//! point, every bit pattern allowed by the masks just has to show up. Arrays of records
+//! (an fp8 KV row: codes, power-of-two scales, bf16 rope values) give one field of each
+//! record its own masks ([`Field`]).
+use std::ops::Range;
+
 use cubecl::prelude::*;
 
 use crate::{DeviceArray, KernelError};
@@ -19,12 +23,46 @@ fn mix(x: u32) -> u32 {
     (word >> 22) ^ word
 }
 
-#[allow(arithmetic_overflow)]
+#[allow(arithmetic_overflow, clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
-fn fill_kernel(out: &mut Array<u32>, seed: u32, and_mask: u32, or_mask: u32) {
+fn fill_kernel(
+    out: &mut Array<u32>,
+    seed: u32,
+    and_mask: u32,
+    or_mask: u32,
+    period: u32,
+    field_start: u32,
+    field_end: u32,
+    field_and: u32,
+    field_or: u32,
+) {
     let i = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * CUBE_DIM_X + UNIT_POS_X;
     if (i as usize) < out.len() {
-        out[i as usize] = (mix(i * 2654435769u32 + seed) & and_mask) | or_mask;
+        let k = i % period;
+        let in_field = k >= field_start && k < field_end;
+        let and = select(in_field, field_and, and_mask);
+        let or = select(in_field, field_or, or_mask);
+        out[i as usize] = (mix(i * 2654435769u32 + seed) & and) | or;
+    }
+}
+
+/// Words `words` of every record of `period` words, with their own masks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Field {
+    pub period: u32,
+    pub words: Range<u32>,
+    pub and_mask: u32,
+    pub or_mask: u32,
+}
+
+impl Field {
+    /// The masks of word `i` of the array: the field's inside it, `masks` elsewhere.
+    pub fn masks_of(&self, i: u32, masks: (u32, u32)) -> (u32, u32) {
+        if self.words.contains(&(i % self.period)) {
+            (self.and_mask, self.or_mask)
+        } else {
+            masks
+        }
     }
 }
 
@@ -36,6 +74,33 @@ pub fn fill_random_bits<R: Runtime>(
     and_mask: u32,
     or_mask: u32,
 ) -> Result<(), KernelError> {
+    let none = Field {
+        period: 1,
+        words: 0..0,
+        and_mask,
+        or_mask,
+    };
+    fill_random_records(client, out, seed, (and_mask, or_mask), &none)
+}
+
+/// Overwrites every word of `out` with pseudo-random bits under `masks` (and, or), except
+/// the words of `field` in each record, which take the field's masks. A word's bits are
+/// those [`fill_random_bits`] gives it under the same masks.
+pub fn fill_random_records<R: Runtime>(
+    client: &ComputeClient<R>,
+    out: &DeviceArray<u32>,
+    seed: u32,
+    masks: (u32, u32),
+    field: &Field,
+) -> Result<(), KernelError> {
+    if field.period == 0 {
+        return Err(KernelError::Range {
+            what: "record words",
+            value: 0,
+            min: 1,
+            max: u32::MAX as usize,
+        });
+    }
     if out.len() > u32::MAX as usize {
         return Err(KernelError::Range {
             what: "words",
@@ -57,8 +122,13 @@ pub fn fill_random_bits<R: Runtime>(
             CubeDim::new_1d(UNITS),
             out.arg(),
             seed,
-            and_mask,
-            or_mask,
+            masks.0,
+            masks.1,
+            field.period,
+            field.words.start,
+            field.words.end,
+            field.and_mask,
+            field.or_mask,
         )
     }
     Ok(())

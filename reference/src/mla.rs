@@ -14,7 +14,8 @@
 //!
 //! Follows DeepSeek-V3's `inference/model.py` (`attn_impl = "absorb"`) and FlashMLA's
 //! paged interface (block tables, page-major cache) and FP8 KV format (656 bytes per
-//! token: 512 e4m3 in four 128-wide tiles, four f32 tile scales, 64 bf16 rope values).
+//! token: 512 e4m3 in four 128-wide tiles, four f32 power-of-two tile scales, 64 bf16 rope
+//! values).
 
 use crate::formats::{bf16_decode, bf16_encode, bf16_round, e4m3_decode, e4m3_encode, E4M3_MAX};
 use crate::softmax::softmax_row;
@@ -312,10 +313,29 @@ fn attend_one(q: &[f32], rows: &[&[f32]], scale: f64, res: &mut AttnOutput) {
     res.out.extend(acc);
 }
 
+/// The scale of a 128-wide latent tile whose largest magnitude is `amax`: the smallest
+/// power of two `s` (at least `2^-126`, the smallest normal f32) with `amax / s <= 448`,
+/// and 1.0 for an all-zero tile. FlashMLA's KV packing takes the same power-of-two
+/// (UE8M0) scales; with them `x / s` and `code * s` are exact, in f32 and in bf16.
+pub fn fp8_tile_scale(amax: f32) -> f32 {
+    if amax == 0.0 {
+        return 1.0;
+    }
+    let fits = |k: i32| amax as f64 <= E4M3_MAX as f64 * 2f64.powi(k);
+    let mut k = (amax as f64 / E4M3_MAX as f64).log2().ceil() as i32;
+    while !fits(k) {
+        k += 1;
+    }
+    while k > -126 && fits(k - 1) {
+        k -= 1;
+    }
+    2f64.powi(k.max(-126)) as f32
+}
+
 /// Encodes one 576-value row in FlashMLA's 656-byte FP8 layout: bytes `0..512` are
-/// e4m3 codes of `latent / scale_t` per 128-wide tile `t` with `scale_t = amax_t / 448`
-/// (1.0 for an all-zero tile), bytes `512..528` the four f32 scales little-endian,
-/// bytes `528..656` the 64 rope values as little-endian bf16.
+/// e4m3 codes of `latent / scale_t` per 128-wide tile `t` with `scale_t` from
+/// [`fp8_tile_scale`], bytes `512..528` the four f32 scales little-endian, bytes
+/// `528..656` the 64 rope values as little-endian bf16.
 ///
 /// Panics if `row.len() != KV_DIM`.
 pub fn fp8_row_encode(row: &[f32]) -> [u8; FP8_KV_BYTES] {
@@ -323,7 +343,7 @@ pub fn fp8_row_encode(row: &[f32]) -> [u8; FP8_KV_BYTES] {
     let mut out = [0u8; FP8_KV_BYTES];
     for (t, tile) in row[..KV_LORA_RANK].chunks(FP8_TILE).enumerate() {
         let amax = tile.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let scale = if amax == 0.0 { 1.0 } else { amax / E4M3_MAX };
+        let scale = fp8_tile_scale(amax);
         for (j, &v) in tile.iter().enumerate() {
             out[t * FP8_TILE + j] = e4m3_encode(v / scale);
         }

@@ -28,17 +28,50 @@ fn fp8_row_round_trip_is_within_half_an_e4m3_step() {
         let tile = &row[t * 128..(t + 1) * 128];
         let amax = tile.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let scale = f32::from_le_bytes(bytes[512 + 4 * t..516 + 4 * t].try_into().unwrap());
-        assert_eq!(scale, amax / 448.0);
+        assert_eq!(scale, fp8_tile_scale(amax));
         for j in 0..128 {
             let (x, y) = (tile[j] as f64, back[t * 128 + j] as f64);
-            // Normal e4m3: relative half-step 2^-4; subnormal: absolute 2^-10 * scale;
-            // plus f32 rounding of the division and the product.
-            let bound = (x.abs() / 16.0).max(scale as f64 / 1024.0) * (1.0 + 1e-5);
+            // Normal e4m3: relative half-step 2^-4; subnormal: absolute 2^-10 * scale (the
+            // division and the product by a power of two are exact).
+            let bound = (x.abs() / 16.0).max(scale as f64 / 1024.0);
             assert!((x - y).abs() <= bound, "tile {t} elem {j}: {x} vs {y}");
         }
     }
     for j in 512..576 {
         assert_eq!(back[j], bf16_round(row[j]));
+    }
+}
+
+#[test]
+fn fp8_tile_scales_are_the_smallest_powers_of_two_that_fit() {
+    let cases = [
+        (448.0, 1.0),
+        (f32::from_bits(448f32.to_bits() + 1), 2.0),
+        (224.0, 0.5),
+        (3.5, 2f32.powi(-7)),
+        (1.0, 2f32.powi(-8)),
+        (f32::MAX, 2f32.powi(120)),
+        (f32::from_bits(1), 2f32.powi(-126)),
+        (448.0 * 2f32.powi(-126), 2f32.powi(-126)),
+    ];
+    for (amax, want) in cases {
+        assert_eq!(fp8_tile_scale(amax), want, "amax {amax:e}");
+    }
+    let mut rng = Rng::new(11);
+    for _ in 0..10_000 {
+        let amax = f32::from_bits(rng.next_u64() as u32 % 0x7f80_0000); // finite, >= 0
+        let scale = fp8_tile_scale(amax);
+        assert_eq!(
+            scale.to_bits() & 0x807f_ffff,
+            0,
+            "{scale:e} is a power of two"
+        );
+        let ratio = amax as f64 / scale as f64;
+        assert!(ratio <= 448.0, "amax {amax:e} / {scale:e} fits");
+        assert!(
+            ratio > 224.0 || scale == 2f32.powi(-126),
+            "{scale:e} is the smallest"
+        );
     }
 }
 

@@ -46,6 +46,7 @@ pub fn realistic_cases() -> Vec<Case> {
             format,
             mode,
             seed,
+            huge_tile: false,
         })
     };
     vec![

@@ -37,6 +37,10 @@ pub struct MlaCase {
     pub format: KvFormat,
     pub mode: AttnMode,
     pub seed: u64,
+    /// Latent dims 384..512 of every KV row times 2^16 and the queries' same dims times
+    /// 2^-16 (scores keep their size): fp8 tile scales past 2^7, where the tensor-core
+    /// decode needs its second factor.
+    pub huge_tile: bool,
 }
 
 impl MlaCase {
@@ -71,6 +75,13 @@ fn assign_pages(rng: &mut Rng, kv_lens: &[usize], page_size: usize) -> (Vec<Vec<
     (tables, num_pages)
 }
 
+/// Multiplies dims 384..512 of every 576-value row by `gain` (a power of two: exact).
+fn scale_huge_tile(rows: &mut [f32], gain: f32) {
+    for row in rows.chunks_mut(KV_DIM) {
+        row[384..KV_LORA_RANK].iter_mut().for_each(|v| *v *= gain);
+    }
+}
+
 /// Runs the case on the device and against the reference.
 pub fn run_mla<R: Runtime>(
     client: &ComputeClient<R>,
@@ -79,7 +90,9 @@ pub fn run_mla<R: Runtime>(
 ) -> Result<CaseReport, KernelError> {
     let mut rng = Rng::new(case.seed);
     let (tables, num_pages) = assign_pages(&mut rng, &case.kv_lens, case.page_size);
-    let rows = normal_with_outliers(&mut rng, num_pages * case.page_size * KV_DIM, 1.0);
+    let mut rows = normal_with_outliers(&mut rng, num_pages * case.page_size * KV_DIM, 1.0);
+    let gain = if case.huge_tile { 65536.0 } else { 1.0 };
+    scale_huge_tile(&mut rows, gain);
     let stored = PagedKv {
         page_size: case.page_size,
         num_pages,
@@ -109,7 +122,8 @@ pub fn run_mla<R: Runtime>(
         block_tables: tables,
     };
     let tokens = batch.num_tokens();
-    let q = normal_with_outliers(&mut rng, tokens * case.heads * KV_DIM, 1.0);
+    let mut q = normal_with_outliers(&mut rng, tokens * case.heads * KV_DIM, 1.0);
+    scale_huge_tile(&mut q, 1.0 / gain);
     let scale = softmax_scale(192, &YarnConfig::kimi_k2()) as f32;
 
     let max_blocks = batch

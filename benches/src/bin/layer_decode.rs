@@ -13,8 +13,8 @@ use clap::Parser;
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, KvPool, RequestSlice};
 use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
-use kiln_benches::{floor_seconds, kimi_k2_layers};
-use kiln_kernels::fill::fill_random_bits;
+use kiln_benches::{floor_seconds, fp8_kv_scales, kimi_k2_layers};
+use kiln_kernels::fill::{fill_random_bits, fill_random_records};
 use kiln_kernels::mla::KvFormat;
 
 /// Kimi-K2 per-layer decode and prefill timing on the device.
@@ -168,13 +168,19 @@ fn step_timing<R: Runtime>(
     let pages_per = context.div_ceil(PAGE);
     let pool: KvPool = m.kv_pool(batch * pages_per, PAGE, kv);
     // bf16: sign, exponent 0x7e..0x7f (0.5..2); fp8: bytes of at most 0xb7, which no E4M3
-    // NaN, f32 scale or bf16 rope value of the row reaches (all finite, exponents <= 0x6f).
-    let (and, or) = match kv {
-        KvFormat::Fp8 => (0xb7b7_b7b7, 0),
-        _ => (0x807f_807f, 0x3f00_3f00),
-    };
+    // NaN or bf16 rope value reaches (finite, exponents <= 0x6f), and power-of-two scales.
     for (i, cache) in pool.caches.iter().enumerate() {
-        fill_random_bits(m.client(), &cache.data, 7 + i as u32, and, or)?;
+        let seed = 7 + i as u32;
+        match kv {
+            KvFormat::Fp8 => fill_random_records(
+                m.client(),
+                &cache.data,
+                seed,
+                (0xb7b7_b7b7, 0),
+                &fp8_kv_scales(),
+            ),
+            _ => fill_random_bits(m.client(), &cache.data, seed, 0x807f_807f, 0x3f00_3f00),
+        }?;
     }
     let requests = (0..batch)
         .map(|b| RequestSlice {

@@ -34,8 +34,8 @@ mod decode {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cubecl::prelude::*;
     use kiln_benches::device_time::{Client, SpinTimer};
-    use kiln_benches::{fill_word, HBM_BYTES_PER_S};
-    use kiln_kernels::fill::fill_random_bits;
+    use kiln_benches::{fill_word, fp8_kv_scales, HBM_BYTES_PER_S};
+    use kiln_kernels::fill::{fill_random_bits, fill_random_records};
     use kiln_kernels::mla::{self, AttnMetadata, KvFormat, PagedKvCache};
     use kiln_kernels::{DeviceArray, Precision};
     use kiln_reference::data::{normal_with_outliers, Rng};
@@ -46,7 +46,7 @@ mod decode {
     const PAGE: usize = 64;
     const SEED: u32 = 0x6d6c_6100;
     /// Bits that keep every word a valid bf16 pair (exponents 120..127, any sign) and, for
-    /// fp8 rows, valid E4M3 codes, positive f32 scales in [2^-7, 2) and bf16 rope values.
+    /// fp8 rows, valid E4M3 codes and bf16 rope values (the scales: `fp8_kv_scales`).
     const BF16_MASKS: (u32, u32) = (0xBFFF_BFFF, 0x3C00_3C00);
     const FP8_MASKS: (u32, u32) = (0x3FBF_3FBF, 0x3C00_3C00);
 
@@ -70,12 +70,13 @@ mod decode {
         let words = format.words_per_row();
         let ws: Vec<u32> = (0..words)
             .map(|j| {
+                let i = (row * words + j) as u32;
                 let masks = if format == KvFormat::Fp8 {
-                    FP8_MASKS
+                    fp8_kv_scales().masks_of(i, FP8_MASKS)
                 } else {
                     BF16_MASKS
                 };
-                fill_word((row * words + j) as u32, SEED, masks.0, masks.1)
+                fill_word(i, SEED, masks.0, masks.1)
             })
             .collect();
         match format {
@@ -102,12 +103,12 @@ mod decode {
         let copies = 256_000_000usize.div_ceil(bytes_per_copy).clamp(1, 32);
         let num_pages = copies * batch * pages_per_req;
         let data = DeviceArray::<u32>::uninit(client, num_pages * PAGE * format.words_per_row());
-        let (and_mask, or_mask) = if format == KvFormat::Fp8 {
-            FP8_MASKS
+        if format == KvFormat::Fp8 {
+            fill_random_records(client, &data, SEED, FP8_MASKS, &fp8_kv_scales())
         } else {
-            BF16_MASKS
-        };
-        fill_random_bits(client, &data, SEED, and_mask, or_mask).expect("cache fits u32 indexing");
+            fill_random_bits(client, &data, SEED, BF16_MASKS.0, BF16_MASKS.1)
+        }
+        .expect("cache fits u32 indexing");
         let mut metas = Vec::new();
         let mut tables = Vec::new();
         for copy in 0..copies {

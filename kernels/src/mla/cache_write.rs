@@ -3,11 +3,11 @@
 //! - f32: copied as is;
 //! - bf16: round to nearest even, two values per word; bit-exact with
 //!   `kiln_reference::formats::bf16_encode`.
-//! - fp8 (FlashMLA's layout): per 128-element latent tile `scale = amax / 448` (1 when the
-//!   tile is zero), codes `e4m3(x / scale)` rounded to nearest even and saturated; the rope
-//!   part in bf16. Mirrors `kiln_reference::mla::fp8_row_encode`; WGSL allows 2.5 ulp in a
-//!   division, so on wgpu a value sitting on a rounding boundary may land one code away:
-//!   the contract (tested) is the quantization bound, half an E4M3 step.
+//! - fp8 (FlashMLA's layout): per 128-element latent tile the smallest power of two
+//!   `scale >= amax / 448` (1 when the tile is zero), read off `amax`'s bits; codes
+//!   `e4m3(x / scale)` (a multiplication by a power of two, exact) rounded to nearest even;
+//!   the rope part in bf16. Bit-exact with `kiln_reference::mla::fp8_row_encode` on every
+//!   backend (no division).
 use cubecl::prelude::*;
 
 use super::{KvFormat, PagedKvCache, KV_DIM};
@@ -33,6 +33,16 @@ fn e4m3_magnitude(mag: f32) -> u32 {
     let odd = (u32::cast_from(f) & 1) == 1;
     let steps = u32::cast_from(f) + select(d > 0.5 || (d == 0.5 && odd), 1u32, 0u32);
     min(((exp + 6) as u32) * 8 + steps, 0x7e)
+}
+
+/// The f32 exponent field of a tile's scale `2^k`: the smallest `k >= -126` with
+/// `amax <= 448 * 2^k`, `k = 0` for `amax == 0`. With `amax = 1.f * 2^(e - 127)` that is
+/// `k = e - 135` when `1.f <= 1.75` (mantissa at most `0x60_0000`), else `e - 134`.
+#[cube]
+fn scale_field(amax: f32) -> u32 {
+    let bits = u32::reinterpret(amax);
+    let up = select((bits & 0x7f_ffff) > 0x60_0000, 1u32, 0u32);
+    select(amax == 0.0, 127u32, max((bits >> 23) + up, 9u32) - 8)
 }
 
 #[cube(launch_unchecked)]
@@ -77,18 +87,19 @@ fn write_fp8_kernel(kv: &Array<f32>, slots: &Array<u32>, cache: &mut Array<u32>)
         }
         sync_cube();
     }
-    let tile_amax = amax[unit / 32 * 32];
-    let scale = select(tile_amax == 0.0, 1.0, tile_amax / 448.0);
+    let field = scale_field(amax[unit / 32 * 32]);
+    // 2^-k: exact, so `x * inverse` rounds like the reference's `x / scale`.
+    let inverse = f32::reinterpret((254 - field) << 23);
     let mut word = 0u32;
     #[unroll]
     for j in 0..4usize {
-        let v = kv[row + 4 * unit + j] / scale;
-        let code = e4m3_magnitude(v.abs()) | select(v < 0.0, 128u32, 0u32);
+        let v = kv[row + 4 * unit + j] * inverse;
+        let code = e4m3_magnitude(v.abs()) | ((u32::reinterpret(v) >> 31) << 7);
         word |= code << (8 * j as u32);
     }
     cache[base + unit] = word;
     if unit % 32 == 0 {
-        cache[base + 128 + unit / 32] = u32::reinterpret(scale);
+        cache[base + 128 + unit / 32] = field << 23;
     }
     if unit < 32 {
         let lo = bf16_bits(kv[row + 512 + 2 * unit]);

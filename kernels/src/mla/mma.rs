@@ -13,8 +13,8 @@
 //!    rows into a staging buffer, decoded at the end of the previous chunk into the other
 //!    of two bf16 operand buffers, so fp8 costs no extra barrier);
 //! 2. each warp computes the 16 x 32 scores over its quarter of the 576 dimensions (128
-//!    of the latent, one fp8 scale group, and 16 of the rope part), its query fragments
-//!    held in registers for the whole kernel, and stores them;
+//!    of the latent and 16 of the rope part), its query fragments held in registers for
+//!    the whole kernel, and stores them;
 //! 3. 8 units per row sum the quarters, mask causally, and run the online softmax
 //!    (running max and sum per row, `plane_shuffle_xor` within the 8 units), writing the
 //!    weights as bf16 and each row's rescale factor;
@@ -24,14 +24,14 @@
 //! With one split the cube writes the normalised output; with several it writes its
 //! unnormalised sums and its rows' (max, sum), and `combine.rs` merges the splits.
 //!
-//! fp8 (E4M3) codes are exact in bf16: the decode only moves bits (`code * 2^-120`, then one
-//! bf16x2 multiply by `2^120`), storing each group of 4 latent dimensions in the order
-//! (0, 2, 1, 3), which the queries' fragments and the output columns follow. The per-row,
-//! per-128-dimension scales multiply the f32 latent scores and, per warp (a warp's 128
-//! output dimensions are one scale group), the softmax weights before they are rounded.
+//! fp8 (E4M3) values are exact in bf16: a code times its power-of-two tile scale is a bf16
+//! number, so the decode only moves bits (`code * 2^-120`) and multiplies once by
+//! `2^120 * scale` (bf16x2), storing each group of 4 latent dimensions in the order
+//! (0, 2, 1, 3), which the queries' fragments and the output columns follow; from there
+//! the chunk runs exactly as a bf16 one.
 //!
 //! Rounding: queries and softmax weights are rounded to bf16 for the tensor cores; bf16 KV
-//! values and fp8 codes are exact. `tolerance::attention_allowed` takes the operand type
+//! values and fp8 values are exact. `tolerance::attention_allowed` takes the operand type
 //! and bounds what that adds.
 use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
@@ -60,10 +60,6 @@ const P_STRIDE: usize = 40;
 const S_STRIDE: usize = 33;
 /// Score k-steps (16 dimensions each) per warp: 8 of the latent, 1 of the rope part.
 const K_STEPS: usize = 9;
-/// Shared-memory stride of an f32 weight row (fp8), in f32.
-const PF_STRIDE: usize = 40;
-/// `2^120` in both halves of a bf16x2 register.
-const TWO_POW_120_BF16X2: u32 = 0x7b80_7b80;
 /// Output n-tiles (8 dimensions each) per warp: 512 / 8 / 4.
 const N_TILES: usize = 16;
 /// Stands for minus infinity.
@@ -129,16 +125,8 @@ pub fn mma_attention_kernel(
             comptime!(if fp8 { 32 * FP8_ROW_VECS } else { 1 }),
             16usize,
         );
-        // fp8: each operand buffer's scales, `[buf][position][group]`.
-        let mut scale_s =
-            SharedMemory::<f32>::new(comptime!(if fp8 { 2 * 32 * 4usize } else { 1 }));
         let mut ss = SharedMemory::<f32>::new(4 * 16 * S_STRIDE);
-        // The softmax weights: bf16 for `ldmatrix` (bf16 KV), f32 to be scaled per warp (fp8).
-        let mut ps = SharedMemory::<bf16>::new_aligned(
-            comptime!(if fp8 { 8 } else { 16 * P_STRIDE }),
-            16usize,
-        );
-        let mut pf = SharedMemory::<f32>::new(comptime!(if fp8 { 16 * PF_STRIDE } else { 1 }));
+        let mut ps = SharedMemory::<bf16>::new_aligned(16 * P_STRIDE, 16usize);
         let mut alpha_s = SharedMemory::<f32>::new(16usize);
 
         // This warp's query fragments (A, 16 rows x 16 dims per k-step), from global memory.
@@ -188,9 +176,21 @@ pub fn mma_attention_kernel(
 
         // Rows are copied with cp.async one chunk ahead: bf16 rows straight into two operand
         // buffers; fp8 rows into one staging buffer, decoded into the other operand buffer
-        // at the end of the chunk before, then the next copy starts.
+        // at the end of the chunk before, then the next copy starts. Each unit copies one
+        // row per chunk, looked up in the block table a chunk before its copy.
         let bar_a = Barrier::shared(UNITS, unit == 0);
         let bar_b = Barrier::shared(UNITS, unit == 0);
+        let page_size = page_size as usize;
+        let units = comptime!(UNITS as usize);
+        let mut next_row = chunk_row(
+            block_table,
+            table,
+            c_begin,
+            last_pos,
+            page_size,
+            unit,
+            units,
+        );
         if c_begin < c_end {
             copy_chunk(
                 kv_vecs,
@@ -198,18 +198,23 @@ pub fn mma_attention_kernel(
                 &mut kvs,
                 &mut staging,
                 0,
-                block_table,
-                table,
-                c_begin,
-                last_pos,
-                page_size as usize,
+                next_row,
                 unit,
                 cfg.format,
             );
             bar_a.commit_copy_async();
+            next_row = chunk_row(
+                block_table,
+                table,
+                c_begin + 1,
+                last_pos,
+                page_size,
+                unit,
+                units,
+            );
             if fp8 {
                 bar_a.arrive_and_wait();
-                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 0, unit, UNITS as usize);
+                decode_fp8_chunk(&staging, &mut kvs, 0, unit, units);
                 sync_cube();
                 if c_begin + 1 < c_end {
                     copy_chunk(
@@ -218,15 +223,20 @@ pub fn mma_attention_kernel(
                         &mut kvs,
                         &mut staging,
                         0,
-                        block_table,
-                        table,
-                        c_begin + 1,
-                        last_pos,
-                        page_size as usize,
+                        next_row,
                         unit,
                         cfg.format,
                     );
                     bar_a.commit_copy_async();
+                    next_row = chunk_row(
+                        block_table,
+                        table,
+                        c_begin + 2,
+                        last_pos,
+                        page_size,
+                        unit,
+                        units,
+                    );
                 }
             }
         }
@@ -242,11 +252,7 @@ pub fn mma_attention_kernel(
                         &mut kvs,
                         &mut staging,
                         1 - buf,
-                        block_table,
-                        table,
-                        c + 1,
-                        last_pos,
-                        page_size as usize,
+                        next_row,
                         unit,
                         cfg.format,
                     );
@@ -255,6 +261,8 @@ pub fn mma_attention_kernel(
                     } else {
                         bar_a.commit_copy_async();
                     }
+                    next_row =
+                        chunk_row(block_table, table, c + 2, last_pos, page_size, unit, units);
                 }
                 if buf == 0 {
                     bar_a.arrive_and_wait();
@@ -263,18 +271,13 @@ pub fn mma_attention_kernel(
                 }
             }
             let kb = buf * 32 * KV_STRIDE;
-            let sb = buf * 32 * 4;
 
-            // 2. Scores over this warp's dimensions: 4 n-tiles of 8 positions; fp8 scales the
-            // latent part by each position's scale of this warp's group.
+            // 2. Scores over this warp's dimensions: 4 n-tiles of 8 positions.
             #[unroll]
             for nt in 0..4usize {
                 let mut s = Array::<Acc>::new(2usize);
-                let mut sr = Array::<Acc>::new(2usize);
                 s[0] = Acc::new(0.0);
                 s[1] = Acc::new(0.0);
-                sr[0] = Acc::new(0.0);
-                sr[1] = Acc::new(0.0);
                 #[unroll]
                 for j in 0usize..K_STEPS {
                     let mut vec0 = 64usize + warp * 2;
@@ -293,19 +296,7 @@ pub fn mma_attention_kernel(
                     for r in 0..4usize {
                         a[r] = qa[j * 4 + r];
                     }
-                    if comptime!(fp8 && j == 8) {
-                        mma.execute_inplace(&a, &kf, &mut sr);
-                    } else {
-                        mma.execute_inplace(&a, &kf, &mut s);
-                    }
-                }
-                if fp8 {
-                    let p = nt * 8 + 2 * t;
-                    let mut sc = Acc::empty();
-                    sc[0] = scale_s[sb + p * 4 + warp];
-                    sc[1] = scale_s[sb + (p + 1) * 4 + warp];
-                    s[0] = s[0] * sc + sr[0];
-                    s[1] = s[1] * sc + sr[1];
+                    mma.execute_inplace(&a, &kf, &mut s);
                 }
                 #[unroll]
                 for half in 0..2usize {
@@ -342,11 +333,7 @@ pub fn mma_attention_kernel(
             for e in 0..4usize {
                 let p = select(sv[e] > NEG_BIG, (sv[e] - m_new).exp(), 0.0);
                 local_sum += p;
-                if fp8 {
-                    pf[srow * PF_STRIDE + part * 4 + e] = p;
-                } else {
-                    ps[srow * P_STRIDE + part * 4 + e] = bf16::cast_from(p);
-                }
+                ps[srow * P_STRIDE + part * 4 + e] = bf16::cast_from(p);
             }
             local_sum += plane_shuffle_xor(local_sum, 1);
             local_sum += plane_shuffle_xor(local_sum, 2);
@@ -358,8 +345,7 @@ pub fn mma_attention_kernel(
             }
             sync_cube();
 
-            // 4. Rescale, then add weights x values for this warp's 128 output dimensions
-            // (fp8: weights times each position's scale of this warp's group, then bf16).
+            // 4. Rescale, then add weights x values for this warp's 128 output dimensions.
             let a_lo = Acc::new(alpha_s[g]);
             let a_hi = Acc::new(alpha_s[g + 8]);
             #[unroll]
@@ -370,34 +356,17 @@ pub fn mma_attention_kernel(
             #[unroll]
             for kk in 0..2usize {
                 let mut pa = Array::<Frag>::new(4usize);
-                if fp8 {
-                    // A fragment registers: rows g, g + 8; columns 2t, 2t + 1 (+ 8).
-                    #[unroll]
-                    for r in 0..4usize {
-                        let row = g + (r % 2) * 8;
-                        let col = kk * 16 + (r / 2) * 8 + 2 * t;
-                        let mut f = Frag::empty();
-                        f[0] = bf16::cast_from(
-                            pf[row * PF_STRIDE + col] * scale_s[sb + col * 4 + warp],
-                        );
-                        f[1] = bf16::cast_from(
-                            pf[row * PF_STRIDE + col + 1] * scale_s[sb + (col + 1) * 4 + warp],
-                        );
-                        pa[r] = f;
-                    }
-                } else {
-                    let prow = ((lane / 8) % 2) * 8 + lane % 8;
-                    let pat = prow * P_STRIDE + kk * 16 + (lane / 16) * 8;
-                    let m = mma.load_matrix::<bf16, Const<2>>(
-                        &ps.slice(pat, pat + 8),
-                        cmma::MatrixIdent::A,
-                        4usize,
-                        false,
-                    );
-                    #[unroll]
-                    for r in 0..4usize {
-                        pa[r] = m[r];
-                    }
+                let prow = ((lane / 8) % 2) * 8 + lane % 8;
+                let pat = prow * P_STRIDE + kk * 16 + (lane / 16) * 8;
+                let m = mma.load_matrix::<bf16, Const<2>>(
+                    &ps.slice(pat, pat + 8),
+                    cmma::MatrixIdent::A,
+                    4usize,
+                    false,
+                );
+                #[unroll]
+                for r in 0..4usize {
+                    pa[r] = m[r];
                 }
                 #[unroll]
                 for np in 0usize..N_TILES / 2 {
@@ -429,14 +398,7 @@ pub fn mma_attention_kernel(
             // staging, start the copy of the chunk after.
             if fp8 && c + 1 < c_end {
                 bar_a.arrive_and_wait();
-                decode_fp8_chunk(
-                    &staging,
-                    &mut kvs,
-                    &mut scale_s,
-                    1 - buf,
-                    unit,
-                    UNITS as usize,
-                );
+                decode_fp8_chunk(&staging, &mut kvs, 1 - buf, unit, units);
             }
             sync_cube();
             if fp8 && c + 2 < c_end {
@@ -446,15 +408,12 @@ pub fn mma_attention_kernel(
                     &mut kvs,
                     &mut staging,
                     0,
-                    block_table,
-                    table,
-                    c + 2,
-                    last_pos,
-                    page_size as usize,
+                    next_row,
                     unit,
                     cfg.format,
                 );
                 bar_a.commit_copy_async();
+                next_row = chunk_row(block_table, table, c + 3, last_pos, page_size, unit, units);
             }
         }
 
@@ -506,9 +465,9 @@ pub fn mma_attention_kernel(
     }
 }
 
-/// Starts the cp.async copies of chunk `c` (this unit's share; positions past `last_pos`
-/// copy the last row): bf16 rows into operand buffer `buf` of `kvs`, fp8 rows (41 vectors
-/// of 16 bytes) into `staging`.
+/// Starts this unit's cp.async copies of a chunk whose cache row for this unit is
+/// `cache_row` (see [`chunk_row`]): bf16 rows into operand buffer `buf` of `kvs`, fp8 rows
+/// (41 vectors of 16 bytes) into `staging`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_chunk(
@@ -517,74 +476,45 @@ fn copy_chunk(
     kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
     staging: &mut SharedMemory<Vector<u32, Const<4>>>,
     buf: usize,
-    block_table: &Array<u32>,
-    table: usize,
-    c: usize,
-    last_pos: usize,
-    page_size: usize,
+    cache_row: usize,
     unit: usize,
     #[comptime] format: KvFormat,
 ) {
     if comptime!(format == KvFormat::Fp8) {
-        copy_fp8_chunk(
-            kv_raw,
-            staging,
-            block_table,
-            table,
-            c,
-            last_pos,
-            page_size,
-            unit,
-            UNITS as usize,
-        );
+        copy_fp8_row(kv_raw, staging, cache_row, unit, UNITS as usize);
     } else {
-        let row = chunk_row(
-            block_table,
-            table,
-            c,
-            last_pos,
-            page_size,
-            unit,
-            UNITS as usize,
-        );
-        copy_bf16_row(kv_vecs, kvs, buf, row, unit, UNITS as usize);
+        copy_bf16_row(kv_vecs, kvs, buf, cache_row, unit, UNITS as usize);
     }
 }
 
-/// Starts this unit's share (of `units`) of the cp.async copies of fp8 chunk `c` (32 rows
-/// of 41 vectors of 16 bytes) into `staging`; positions past `last_pos` copy the last row.
+/// Starts this unit's cp.async copies of an fp8 chunk into `staging`: with `units` (a
+/// multiple of 32), unit `u` copies every `units / 32`-th of the 41 vectors of the chunk's
+/// row `u / (units / 32)`, which is cache row `cache_row`.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-pub(super) fn copy_fp8_chunk(
+pub(super) fn copy_fp8_row(
     kv_raw: &Array<Vector<u32, Const<4>>>,
     staging: &mut SharedMemory<Vector<u32, Const<4>>>,
-    block_table: &Array<u32>,
-    table: usize,
-    c: usize,
-    last_pos: usize,
-    page_size: usize,
+    cache_row: usize,
     unit: usize,
     #[comptime] units: usize,
 ) {
+    let per_row = comptime!(units / 32);
+    let src = cache_row * FP8_ROW_VECS;
+    let dst = (unit / per_row) * FP8_ROW_VECS;
     #[unroll]
-    for j in 0..comptime!((32 * FP8_ROW_VECS).div_ceil(units)) {
-        let idx = unit + j * units;
-        if idx < 32 * FP8_ROW_VECS {
-            let r = idx / FP8_ROW_VECS;
-            let v = idx % FP8_ROW_VECS;
-            let src =
-                kv_row(block_table, table, min(c * 32 + r, last_pos), page_size) * FP8_ROW_VECS + v;
-            let dst = r * FP8_ROW_VECS + v;
+    for j in 0..comptime!(FP8_ROW_VECS.div_ceil(per_row)) {
+        let v = unit % per_row + j * per_row;
+        if v < FP8_ROW_VECS {
             copy_async(
-                &kv_raw.slice(src, src + 1),
-                &mut staging.slice_mut(dst, dst + 1),
+                &kv_raw.slice(src + v, src + v + 1),
+                &mut staging.slice_mut(dst + v, dst + v + 1),
                 4u32,
             );
         }
     }
 }
 
-/// The cache row this unit copies in bf16 chunk `c` (see [`copy_bf16_row`]): position
+/// The cache row this unit copies in chunk `c` (see [`copy_bf16_row`], [`copy_fp8_row`]): position
 /// `c * 32 + unit / (units / 32)`, or `last_pos` past it.
 #[cube]
 pub(super) fn chunk_row(
@@ -626,55 +556,73 @@ pub(super) fn copy_bf16_row(
     }
 }
 
-/// Decodes the staging buffer (32 fp8 rows: 512 E4M3 codes, 4 f32 scales, 64 bf16 rope
-/// values each) into operand buffer `buf`, exactly: each code pair becomes `code * 2^-120`
-/// by moving bits (subnormal in bf16 where needed), then one bf16x2 multiply by `2^120`;
-/// dimensions land as (0, 2, 1, 3) per 4. The scales go to `scale_s[buf]`.
-/// `units` divides the chunk's 32 x 72 vectors.
+/// Decodes the staging buffer (32 fp8 rows: 512 E4M3 codes, 4 f32 power-of-two scales, 64
+/// bf16 rope values each) into operand buffer `buf` as the rows' values, exactly: each code
+/// pair's bits move into bf16 as `code * 2^-120` (subnormal in bf16 where needed), then one
+/// bf16x2 multiply by `2^120 * scale` gives `code * scale` (a second multiply where the
+/// scale passes `2^7`, beyond bf16's range for the combined factor); dimensions land as
+/// (0, 2, 1, 3) per 4. `units` is 128 or 256: unit `u` decodes scale group `(u / 32) % 4`
+/// of row `u % 32` (half of it each when 256), so it reads one scale and a warp's 16-byte
+/// reads and writes fall in distinct banks (row strides of 41 and 73 vectors).
 #[cube]
 pub(super) fn decode_fp8_chunk(
     staging: &SharedMemory<Vector<u32, Const<4>>>,
     kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
-    scale_s: &mut SharedMemory<f32>,
     buf: usize,
     unit: usize,
     #[comptime] units: usize,
 ) {
-    // A runtime value (`unit < 2^31`): CubeCL 0.10 bit-casts through `reinterpret_cast<T&>`,
-    // which a literal cannot bind to.
-    let two_pow_120 = Frag::reinterpret(TWO_POW_120_BF16X2 | (unit as u32 >> 31));
+    let r = unit % 32;
+    let grp = (unit / 32) % 4;
+    let row = r * FP8_ROW_VECS;
+    let dst = (buf * 32 + r) * KV_STRIDE;
+    let scales = staging[row + 32];
+    let scale = select(
+        grp < 2,
+        select(grp == 0, scales[0], scales[1]),
+        select(grp == 2, scales[2], scales[3]),
+    );
+    // The scale's exponent field `e` (scale = 2^(e - 127)): `2^120 * scale` has field
+    // `e + 120`, within bf16's range up to `e = 134`; past it, the rest as a second factor.
+    let e = (scale >> 23) & 0xff;
+    let first = Frag::reinterpret(((min(e, 134) + 120) << 7) * 0x0001_0001);
+    let rest = Frag::reinterpret(((max(e, 134) - 7) << 7) * 0x0001_0001);
+    let beyond = e > 134;
+    let per_unit = comptime!(8 * 128 / units);
     #[unroll]
-    for j in 0..comptime!(32 * ROW_VECS / units) {
-        let idx = unit + j * units;
-        let r = idx / ROW_VECS;
-        let v = idx % ROW_VECS;
-        let row = r * FP8_ROW_VECS;
-        let dst = (buf * 32 + r) * KV_STRIDE + v;
-        if v < 64 {
-            // Codes 8v..8v+8: words 2v, 2v + 1 of the row.
-            let codes = staging[row + v / 2];
+    for i in 0..per_unit {
+        // Codes 16 cv..16 cv + 16 of the group: output vectors 2 cv, 2 cv + 1.
+        let cv = (unit / 128) * per_unit + i;
+        let codes = staging[row + grp * 8 + cv];
+        #[unroll]
+        for half in 0..2usize {
             let mut pairs = Vector::<u32, Const<4>>::empty();
             #[unroll]
             for h in 0..2usize {
-                let w = codes[(v % 2) * 2 + h];
+                let w = codes[half * 2 + h];
                 // Bytes 0 and 2, then 1 and 3, each into a bf16 half: magnitude bits to
                 // 4..10, sign to 15.
                 let p02 = ((w & 0x007f_007fu32) << 4) | ((w & 0x0080_0080u32) << 8);
                 let p13 = ((w >> 4) & 0x07f0_07f0u32) | (w & 0x8000_8000u32);
-                pairs[h * 2] = u32::reinterpret(Frag::reinterpret(p02) * two_pow_120);
-                pairs[h * 2 + 1] = u32::reinterpret(Frag::reinterpret(p13) * two_pow_120);
-            }
-            kvs[dst] = Vector::<bf16, Const<8>>::reinterpret(pairs);
-            if v == 0 {
-                let scales = staging[row + 32];
-                #[unroll]
-                for i in 0..4usize {
-                    scale_s[(buf * 32 + r) * 4 + i] = f32::reinterpret(scales[i]);
+                let mut x02 = Frag::reinterpret(p02) * first;
+                let mut x13 = Frag::reinterpret(p13) * first;
+                if beyond {
+                    x02 = x02 * rest;
+                    x13 = x13 * rest;
                 }
+                pairs[h * 2] = u32::reinterpret(x02);
+                pairs[h * 2 + 1] = u32::reinterpret(x13);
             }
-        } else {
-            // Rope: 8 bf16 values, one vector at word 132 + 4 (v - 64).
-            kvs[dst] = Vector::<bf16, Const<8>>::reinterpret(staging[row + 33 + v - 64]);
+            kvs[dst + grp * 16 + 2 * cv + half] = Vector::<bf16, Const<8>>::reinterpret(pairs);
         }
+    }
+    // Rope: 8 bf16 vectors per row at staging vector 33, copied as they are.
+    #[unroll]
+    for j in 0..comptime!(256 / units) {
+        let idx = unit + j * units;
+        let rr = idx % 32;
+        let v = idx / 32;
+        kvs[(buf * 32 + rr) * KV_STRIDE + 64 + v] =
+            Vector::<bf16, Const<8>>::reinterpret(staging[rr * FP8_ROW_VECS + 33 + v]);
     }
 }

@@ -2,9 +2,8 @@
 //! of a decode token (Kimi-K2), or several tokens of fewer heads. Where the 16-row kernel
 //! (`mma.rs`) runs 4 cubes over the same KV rows for 64 heads, each doing its own barriers
 //! and softmax per chunk, this cube reads a chunk once and feeds 4x the MMAs per barrier.
-//! The split-KV form, partial outputs, the combine pass and the exact fp8 decode (codes
-//! moved into bf16, scales on the f32 scores and on the softmax weights, kept per scale
-//! group) are `mma.rs`'s.
+//! The split-KV form, partial outputs, the combine pass and the exact fp8 decode (values
+//! moved into bf16, after which a chunk runs as a bf16 one) are `mma.rs`'s.
 //!
 //! Per chunk of 32 KV positions (8 warps, 256 units):
 //! 1. the chunk's rows arrive in shared memory by cp.async, issued one chunk ahead (fp8:
@@ -16,7 +15,7 @@
 //!    64 rows x 576 would take 72 registers per unit next to the 128 of the output), and
 //!    stores the partial scores;
 //! 3. 4 units per row sum the quarters, mask causally, run the online softmax and write the
-//!    weights as bf16 (fp8: one copy per scale group) and each row's rescale factor;
+//!    weights as bf16 and each row's rescale factor;
 //! 4. warp `w` rescales (unless no row's maximum moved) and adds weights x values for all
 //!    64 rows over output dimensions `64 w..+64`, so each value fragment it loads feeds 4
 //!    MMAs (128 accumulators a unit).
@@ -27,7 +26,7 @@ use cubecl::prelude::*;
 use half::bf16;
 
 use super::mma::{
-    chunk_row, copy_bf16_row, copy_fp8_chunk, decode_fp8_chunk, MmaAttnConfig, FP8_ROW_VECS,
+    chunk_row, copy_bf16_row, copy_fp8_row, decode_fp8_chunk, MmaAttnConfig, FP8_ROW_VECS,
     KV_STRIDE, NEG_BIG, ROW_VECS,
 };
 use super::KvFormat;
@@ -103,19 +102,8 @@ pub fn wide_attention_kernel(
             comptime!(if fp8 { 32 * FP8_ROW_VECS } else { 1 }),
             16usize,
         );
-        // fp8: each operand buffer's scales, `[buf][position][group]`.
-        let mut scale_s =
-            SharedMemory::<f32>::new(comptime!(if fp8 { 2 * 32 * 4usize } else { 1 }));
         let mut ss = SharedMemory::<Acc>::new(4 * 64 * S_STRIDE);
-        // The softmax weights; fp8: one copy per scale group, times the group's scales.
-        let mut ps = SharedMemory::<Vec8>::new_aligned(
-            comptime!(if fp8 {
-                4 * 64 * P_STRIDE
-            } else {
-                64 * P_STRIDE
-            }),
-            16usize,
-        );
+        let mut ps = SharedMemory::<Vec8>::new_aligned(64 * P_STRIDE, 16usize);
         let mut alpha_s = SharedMemory::<f32>::new(64usize);
 
         // The cube's queries as bf16 (rows past the last are zero).
@@ -178,48 +166,43 @@ pub fn wide_attention_kernel(
         let bar_b = Barrier::shared(UNITS, unit == 0);
         let page_size = page_size as usize;
         let units = comptime!(UNITS as usize);
-        let mut next_row = 0usize;
-        if !fp8 {
-            next_row = chunk_row(
-                block_table,
-                table,
-                c_begin,
-                last_pos,
-                page_size,
-                unit,
-                units,
-            );
-        }
+        let mut next_row = chunk_row(
+            block_table,
+            table,
+            c_begin,
+            last_pos,
+            page_size,
+            unit,
+            units,
+        );
         if c_begin < c_end {
             if fp8 {
-                copy_fp8_chunk(
-                    kv_raw,
-                    &mut staging,
+                copy_fp8_row(kv_raw, &mut staging, next_row, unit, units);
+                bar_a.commit_copy_async();
+                next_row = chunk_row(
                     block_table,
                     table,
-                    c_begin,
+                    c_begin + 1,
                     last_pos,
                     page_size,
                     unit,
                     units,
                 );
-                bar_a.commit_copy_async();
                 bar_a.arrive_and_wait();
-                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 0, unit, units);
+                decode_fp8_chunk(&staging, &mut kvs, 0, unit, units);
                 sync_cube();
                 if c_begin + 1 < c_end {
-                    copy_fp8_chunk(
-                        kv_raw,
-                        &mut staging,
+                    copy_fp8_row(kv_raw, &mut staging, next_row, unit, units);
+                    bar_a.commit_copy_async();
+                    next_row = chunk_row(
                         block_table,
                         table,
-                        c_begin + 1,
+                        c_begin + 2,
                         last_pos,
                         page_size,
                         unit,
                         units,
                     );
-                    bar_a.commit_copy_async();
                 }
             } else {
                 copy_bf16_row(kv_vecs, &mut kvs, 0, next_row, unit, units);
@@ -256,7 +239,6 @@ pub fn wide_attention_kernel(
                 }
             }
             let kb = buf * 32 * KV_STRIDE;
-            let sb = buf * 32 * 4;
 
             // 2. Partial scores: 2 row tiles x 4 n-tiles over this warp's quarter, in 4
             // pairs of latent k-steps and one rope k-step.
@@ -268,21 +250,6 @@ pub fn wide_attention_kernel(
             #[unroll]
             for jp in 0..5usize {
                 let steps = comptime!(if jp < 4 { 2usize } else { 1usize });
-                if comptime!(fp8 && jp == 4) {
-                    // The latent part so far times each position's scale of this quarter.
-                    #[unroll]
-                    for nt in 0..4usize {
-                        let p = nt * 8 + 2 * t;
-                        let mut sc = Acc::empty();
-                        sc[0] = scale_s[sb + p * 4 + kq];
-                        sc[1] = scale_s[sb + (p + 1) * 4 + kq];
-                        #[unroll]
-                        for i in 0..4usize {
-                            let at = ((i / 2) * 4 + nt) * 2 + i % 2;
-                            s[at] = s[at] * sc;
-                        }
-                    }
-                }
                 let mut vec0 = 64usize + kq * 2;
                 if comptime!(jp < 4) {
                     vec0 = kq * 16 + jp * 4;
@@ -376,25 +343,12 @@ pub fn wide_attention_kernel(
                 pv[e] = select(sv[e] > NEG_BIG, (sv[e] - m_new).exp(), 0.0);
                 local_sum += pv[e];
             }
-            if fp8 {
-                #[unroll]
-                for grp in 0..4usize {
-                    let mut weights = Vec8::empty();
-                    #[unroll]
-                    for e in 0..8usize {
-                        let scale = scale_s[sb + (part * 8 + e) * 4 + grp];
-                        weights[e] = bf16::cast_from(pv[e] * scale);
-                    }
-                    ps[(grp * 64 + srow) * P_STRIDE + part] = weights;
-                }
-            } else {
-                let mut weights = Vec8::empty();
-                #[unroll]
-                for e in 0..8usize {
-                    weights[e] = bf16::cast_from(pv[e]);
-                }
-                ps[srow * P_STRIDE + part] = weights;
+            let mut weights = Vec8::empty();
+            #[unroll]
+            for e in 0..8usize {
+                weights[e] = bf16::cast_from(pv[e]);
             }
+            ps[srow * P_STRIDE + part] = weights;
             local_sum += plane_shuffle_xor(local_sum, 1);
             local_sum += plane_shuffle_xor(local_sum, 2);
             l_run = l_run * alpha + local_sum;
@@ -427,20 +381,14 @@ pub fn wide_attention_kernel(
                     }
                 }
             }
-            // fp8: this warp's 64 dimensions are one scale group's (warp / 2).
-            let mut pgroup = 0usize;
-            if fp8 {
-                pgroup = warp / 2;
-            }
             #[unroll]
             for kk in 0..2usize {
                 let mut pa = Array::<Frag>::new(16usize);
                 #[unroll]
                 for rt in 0..4usize {
-                    let row0 = pgroup * 64 + rt * 16;
                     load_a_tile(
                         &ps,
-                        row0,
+                        rt * 16,
                         kk * 2,
                         P_STRIDE,
                         lane,
@@ -477,21 +425,13 @@ pub fn wide_attention_kernel(
             // decode it into the other operand buffer, then start the copy of the one after.
             if fp8 && c + 1 < c_end {
                 bar_a.arrive_and_wait();
-                decode_fp8_chunk(&staging, &mut kvs, &mut scale_s, 1 - buf, unit, units);
+                decode_fp8_chunk(&staging, &mut kvs, 1 - buf, unit, units);
                 sync_cube();
                 if c + 2 < c_end {
-                    copy_fp8_chunk(
-                        kv_raw,
-                        &mut staging,
-                        block_table,
-                        table,
-                        c + 2,
-                        last_pos,
-                        page_size,
-                        unit,
-                        units,
-                    );
+                    copy_fp8_row(kv_raw, &mut staging, next_row, unit, units);
                     bar_a.commit_copy_async();
+                    next_row =
+                        chunk_row(block_table, table, c + 3, last_pos, page_size, unit, units);
                 }
             }
         }

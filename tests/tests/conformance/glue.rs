@@ -4,7 +4,7 @@
 use cubecl::prelude::*;
 use kiln_kernels::activation::silu_mul;
 use kiln_kernels::embedding::embedding;
-use kiln_kernels::fill::fill_random_bits;
+use kiln_kernels::fill::{fill_random_bits, fill_random_records, Field};
 use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm, rmsnorm_prefix};
 use kiln_kernels::rope::{rope_inplace, RopeLayout};
 use kiln_kernels::{DeviceArray, KernelError};
@@ -271,6 +271,46 @@ fn random_fill_respects_masks<R: Runtime>(client: &ComputeClient<R>) {
     assert_ne!(again.read(client), words, "another seed gives other bits");
 }
 
+/// A record field (the scale words of fp8 KV rows: 164 words, 128..132 powers of two)
+/// takes its own masks; every other word is what `fill_random_bits` gives it; a zero
+/// period is a typed error.
+fn record_fill_masks_its_field<R: Runtime>(client: &ComputeClient<R>) {
+    let (masks, field) = (
+        (0x3fbf_3fbf, 0x3c00_3c00),
+        Field {
+            period: 164,
+            words: 128..132,
+            and_mask: 0x0380_0000,
+            or_mask: 0x3c00_0000,
+        },
+    );
+    let records = DeviceArray::<u32>::uninit(client, 164 * 61 + 7);
+    fill_random_records(client, &records, 9, masks, &field).unwrap();
+    let plain = DeviceArray::<u32>::uninit(client, records.len());
+    fill_random_bits(client, &plain, 9, masks.0, masks.1).unwrap();
+    let (records, plain) = (records.read(client), plain.read(client));
+    let mut exponents = std::collections::HashSet::new();
+    for (i, (&w, &p)) in records.iter().zip(&plain).enumerate() {
+        if (128..132).contains(&(i % 164)) {
+            assert_eq!(w & !0x0380_0000, 0x3c00_0000, "word {i}: a power of two");
+            exponents.insert(w >> 23);
+        } else {
+            assert_eq!(w, p, "word {i}");
+        }
+    }
+    assert_eq!(exponents.len(), 8, "every exponent 120..127 shows up");
+    assert_eq!(
+        field.masks_of(164 * 3 + 131, masks),
+        (0x0380_0000, 0x3c00_0000)
+    );
+    assert_eq!(field.masks_of(164 * 3 + 132, masks), masks);
+    let none = Field { period: 0, ..field };
+    assert!(matches!(
+        fill_random_records(client, &DeviceArray::uninit(client, 4), 9, masks, &none),
+        Err(KernelError::Range { .. })
+    ));
+}
+
 fn bad_shapes_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
     let x = DeviceArray::upload(client, &[1.0f32; 12]);
     let w = DeviceArray::upload(client, &[1.0f32; 5]);
@@ -310,5 +350,6 @@ kiln_backends::backend_tests! {
     embedding_rows,
     rope_rows,
     random_fill_respects_masks,
+    record_fill_masks_its_field,
     bad_shapes_are_typed_errors,
 }
