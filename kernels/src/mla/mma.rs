@@ -607,8 +607,8 @@ pub(super) fn decode_fp8_chunk(
                 let mut x02 = Frag::reinterpret(p02) * first;
                 let mut x13 = Frag::reinterpret(p13) * first;
                 if beyond {
-                    x02 = x02 * rest;
-                    x13 = x13 * rest;
+                    x02 *= rest;
+                    x13 *= rest;
                 }
                 pairs[h * 2] = u32::reinterpret(x02);
                 pairs[h * 2 + 1] = u32::reinterpret(x13);
