@@ -182,80 +182,29 @@ pub fn mma_attention_kernel(
         let bar_b = Barrier::shared(UNITS, unit == 0);
         let page_size = page_size as usize;
         let units = comptime!(UNITS as usize);
-        let mut next_row = chunk_row(
+        let mut next_row = start_chunks(
+            kv_vecs,
+            kv_raw,
+            &mut kvs,
+            &mut staging,
+            &bar_a,
             block_table,
             table,
             c_begin,
+            c_end,
             last_pos,
             page_size,
             unit,
             units,
+            cfg.format,
         );
-        if c_begin < c_end {
-            copy_chunk(
-                kv_vecs,
-                kv_raw,
-                &mut kvs,
-                &mut staging,
-                0,
-                next_row,
-                unit,
-                cfg.format,
-            );
-            bar_a.commit_copy_async();
-            next_row = chunk_row(
-                block_table,
-                table,
-                c_begin + 1,
-                last_pos,
-                page_size,
-                unit,
-                units,
-            );
-            if fp8 {
-                bar_a.arrive_and_wait();
-                decode_fp8_chunk(&staging, &mut kvs, 0, unit, units);
-                sync_cube();
-                if c_begin + 1 < c_end {
-                    copy_chunk(
-                        kv_vecs,
-                        kv_raw,
-                        &mut kvs,
-                        &mut staging,
-                        0,
-                        next_row,
-                        unit,
-                        cfg.format,
-                    );
-                    bar_a.commit_copy_async();
-                    next_row = chunk_row(
-                        block_table,
-                        table,
-                        c_begin + 2,
-                        last_pos,
-                        page_size,
-                        unit,
-                        units,
-                    );
-                }
-            }
-        }
         for c in c_begin..c_end {
             // 1. The chunk's KV rows in shared memory as bf16. Positions past the last are
             // read from the last row (finite values, weighted 0 below).
             let buf = (c - c_begin) % 2;
             if !fp8 {
                 if c + 1 < c_end {
-                    copy_chunk(
-                        kv_vecs,
-                        kv_raw,
-                        &mut kvs,
-                        &mut staging,
-                        1 - buf,
-                        next_row,
-                        unit,
-                        cfg.format,
-                    );
+                    copy_bf16_row(kv_vecs, &mut kvs, 1 - buf, next_row, unit, units);
                     if buf == 0 {
                         bar_b.commit_copy_async();
                     } else {
@@ -393,27 +342,28 @@ pub fn mma_attention_kernel(
                     }
                 }
             }
-            // fp8: the next chunk has landed in staging; decode it into the other operand
-            // buffer (read last in the chunk before), and once every unit is done with
-            // staging, start the copy of the chunk after.
-            if fp8 && c + 1 < c_end {
-                bar_a.arrive_and_wait();
-                decode_fp8_chunk(&staging, &mut kvs, 1 - buf, unit, units);
-            }
-            sync_cube();
-            if fp8 && c + 2 < c_end {
-                copy_chunk(
-                    kv_vecs,
+            // fp8: the next chunk into the other operand buffer (read last in the chunk
+            // before) and the copy of the one after; bf16: every unit done with this buffer
+            // before the next chunk's copy overwrites it.
+            if fp8 {
+                next_row = next_fp8_chunk(
                     kv_raw,
                     &mut kvs,
                     &mut staging,
-                    0,
+                    &bar_a,
+                    block_table,
+                    table,
+                    c + 1,
+                    c_end,
+                    1 - buf,
+                    last_pos,
+                    page_size,
                     next_row,
                     unit,
-                    cfg.format,
+                    units,
                 );
-                bar_a.commit_copy_async();
-                next_row = chunk_row(block_table, table, c + 3, last_pos, page_size, unit, units);
+            } else {
+                sync_cube();
             }
         }
 
@@ -465,26 +415,109 @@ pub fn mma_attention_kernel(
     }
 }
 
-/// Starts this unit's cp.async copies of a chunk whose cache row for this unit is
-/// `cache_row` (see [`chunk_row`]): bf16 rows into operand buffer `buf` of `kvs`, fp8 rows
-/// (41 vectors of 16 bytes) into `staging`.
+/// Starts a split's pipeline with `units` units: chunk `c_begin`'s rows in flight on `bar`
+/// (bf16: into operand buffer 0; fp8: into staging, then, by [`next_fp8_chunk`], decoded
+/// into buffer 0 with the copy of the chunk after in flight). Returns this unit's cache row
+/// of the next chunk to copy.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn copy_chunk(
+pub(super) fn start_chunks(
     kv_vecs: &Array<Vector<bf16, Const<8>>>,
     kv_raw: &Array<Vector<u32, Const<4>>>,
     kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
     staging: &mut SharedMemory<Vector<u32, Const<4>>>,
-    buf: usize,
-    cache_row: usize,
+    bar: &Barrier,
+    block_table: &Array<u32>,
+    table: usize,
+    c_begin: usize,
+    c_end: usize,
+    last_pos: usize,
+    page_size: usize,
     unit: usize,
+    #[comptime] units: usize,
     #[comptime] format: KvFormat,
-) {
-    if comptime!(format == KvFormat::Fp8) {
-        copy_fp8_row(kv_raw, staging, cache_row, unit, UNITS as usize);
-    } else {
-        copy_bf16_row(kv_vecs, kvs, buf, cache_row, unit, UNITS as usize);
+) -> usize {
+    let mut row = chunk_row(
+        block_table,
+        table,
+        c_begin,
+        last_pos,
+        page_size,
+        unit,
+        units,
+    );
+    if c_begin < c_end {
+        if comptime!(format == KvFormat::Fp8) {
+            copy_fp8_row(kv_raw, staging, row, unit, units);
+        } else {
+            copy_bf16_row(kv_vecs, kvs, 0, row, unit, units);
+        }
+        bar.commit_copy_async();
+        row = chunk_row(
+            block_table,
+            table,
+            c_begin + 1,
+            last_pos,
+            page_size,
+            unit,
+            units,
+        );
+        if comptime!(format == KvFormat::Fp8) {
+            row = next_fp8_chunk(
+                kv_raw,
+                kvs,
+                staging,
+                bar,
+                block_table,
+                table,
+                c_begin,
+                c_end,
+                0,
+                last_pos,
+                page_size,
+                row,
+                unit,
+                units,
+            );
+        }
     }
+    row
+}
+
+/// fp8: when chunk `c` (before `c_end`) is in flight into staging on `bar`, waits for it,
+/// decodes it into operand buffer `buf`, and once every unit is past (staging free, the
+/// buffer complete), starts the copy of chunk `c + 1` from this unit's cache row `row`.
+/// Returns the unit's cache row of chunk `c + 2`, or `row` when nothing was copied.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn next_fp8_chunk(
+    kv_raw: &Array<Vector<u32, Const<4>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    staging: &mut SharedMemory<Vector<u32, Const<4>>>,
+    bar: &Barrier,
+    block_table: &Array<u32>,
+    table: usize,
+    c: usize,
+    c_end: usize,
+    buf: usize,
+    last_pos: usize,
+    page_size: usize,
+    row: usize,
+    unit: usize,
+    #[comptime] units: usize,
+) -> usize {
+    let mut next = row;
+    if c < c_end {
+        bar.arrive_and_wait();
+        decode_fp8_chunk(staging, kvs, buf, unit, units);
+        sync_cube();
+        if c + 1 < c_end {
+            copy_fp8_row(kv_raw, staging, row, unit, units);
+            bar.commit_copy_async();
+            next = chunk_row(block_table, table, c + 2, last_pos, page_size, unit, units);
+        }
+    }
+    next
 }
 
 /// Starts this unit's cp.async copies of an fp8 chunk into `staging`: with `units` (a

@@ -26,8 +26,8 @@ use cubecl::prelude::*;
 use half::bf16;
 
 use super::mma::{
-    chunk_row, copy_bf16_row, copy_fp8_row, decode_fp8_chunk, MmaAttnConfig, FP8_ROW_VECS,
-    KV_STRIDE, NEG_BIG, ROW_VECS,
+    chunk_row, copy_bf16_row, next_fp8_chunk, start_chunks, MmaAttnConfig, FP8_ROW_VECS, KV_STRIDE,
+    NEG_BIG, ROW_VECS,
 };
 use super::KvFormat;
 use crate::warp_mma::{load_a_tile, mma_step, Acc, Bf16x8 as Vec8, Frag};
@@ -166,58 +166,22 @@ pub fn wide_attention_kernel(
         let bar_b = Barrier::shared(UNITS, unit == 0);
         let page_size = page_size as usize;
         let units = comptime!(UNITS as usize);
-        let mut next_row = chunk_row(
+        let mut next_row = start_chunks(
+            kv_vecs,
+            kv_raw,
+            &mut kvs,
+            &mut staging,
+            &bar_a,
             block_table,
             table,
             c_begin,
+            c_end,
             last_pos,
             page_size,
             unit,
             units,
+            cfg.format,
         );
-        if c_begin < c_end {
-            if fp8 {
-                copy_fp8_row(kv_raw, &mut staging, next_row, unit, units);
-                bar_a.commit_copy_async();
-                next_row = chunk_row(
-                    block_table,
-                    table,
-                    c_begin + 1,
-                    last_pos,
-                    page_size,
-                    unit,
-                    units,
-                );
-                bar_a.arrive_and_wait();
-                decode_fp8_chunk(&staging, &mut kvs, 0, unit, units);
-                sync_cube();
-                if c_begin + 1 < c_end {
-                    copy_fp8_row(kv_raw, &mut staging, next_row, unit, units);
-                    bar_a.commit_copy_async();
-                    next_row = chunk_row(
-                        block_table,
-                        table,
-                        c_begin + 2,
-                        last_pos,
-                        page_size,
-                        unit,
-                        units,
-                    );
-                }
-            } else {
-                copy_bf16_row(kv_vecs, &mut kvs, 0, next_row, unit, units);
-                bar_a.commit_copy_async();
-                next_row = chunk_row(
-                    block_table,
-                    table,
-                    c_begin + 1,
-                    last_pos,
-                    page_size,
-                    unit,
-                    units,
-                );
-            }
-        }
         for c in c_begin..c_end {
             // 1. This chunk's rows in shared memory, then the next chunk's copy.
             let buf = (c - c_begin) % 2;
@@ -423,16 +387,23 @@ pub fn wide_attention_kernel(
             }
             // fp8: the next chunk has landed in staging (every unit done with this chunk);
             // decode it into the other operand buffer, then start the copy of the one after.
-            if fp8 && c + 1 < c_end {
-                bar_a.arrive_and_wait();
-                decode_fp8_chunk(&staging, &mut kvs, 1 - buf, unit, units);
-                sync_cube();
-                if c + 2 < c_end {
-                    copy_fp8_row(kv_raw, &mut staging, next_row, unit, units);
-                    bar_a.commit_copy_async();
-                    next_row =
-                        chunk_row(block_table, table, c + 3, last_pos, page_size, unit, units);
-                }
+            if fp8 {
+                next_row = next_fp8_chunk(
+                    kv_raw,
+                    &mut kvs,
+                    &mut staging,
+                    &bar_a,
+                    block_table,
+                    table,
+                    c + 1,
+                    c_end,
+                    1 - buf,
+                    last_pos,
+                    page_size,
+                    next_row,
+                    unit,
+                    units,
+                );
             }
         }
 
