@@ -26,6 +26,7 @@ mod absorb_mma;
 mod cache_write;
 mod combine;
 mod kernel;
+mod kv_chunks;
 mod mma;
 mod wide;
 

@@ -2,8 +2,9 @@
 //! of a decode token (Kimi-K2), or several tokens of fewer heads. Where the 16-row kernel
 //! (`mma.rs`) runs 4 cubes over the same KV rows for 64 heads, each doing its own barriers
 //! and softmax per chunk, this cube reads a chunk once and feeds 4x the MMAs per barrier.
-//! The split-KV form, partial outputs, the combine pass and the exact fp8 decode (values
-//! moved into bf16, after which a chunk runs as a bf16 one) are `mma.rs`'s.
+//! The split-KV form, partial outputs and the combine pass are `mma.rs`'s; the KV chunks'
+//! copies and the exact fp8 decode (after which a chunk runs as a bf16 one) are
+//! `kv_chunks.rs`'s, shared.
 //!
 //! Per chunk of 32 KV positions (8 warps, 256 units):
 //! 1. the chunk's rows arrive in shared memory by cp.async, issued one chunk ahead (fp8:
@@ -25,10 +26,10 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::mma::{
-    chunk_row, copy_bf16_row, next_fp8_chunk, start_chunks, MmaAttnConfig, FP8_ROW_VECS, KV_STRIDE,
-    NEG_BIG, ROW_VECS,
+use super::kv_chunks::{
+    chunk_row, copy_bf16_row, next_fp8_chunk, start_chunks, FP8_ROW_VECS, KV_STRIDE, ROW_VECS,
 };
+use super::mma::{MmaAttnConfig, NEG_BIG};
 use super::KvFormat;
 use crate::warp_mma::{load_a_tile, mma_step, Acc, Bf16x8 as Vec8, Frag};
 

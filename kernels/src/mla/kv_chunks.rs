@@ -1,0 +1,267 @@
+//! The KV side of both tensor-core attention kernels (`mma.rs`, `wide.rs`): a split's KV
+//! chunks (32 positions) move into shared memory by cp.async one chunk ahead of their use,
+//! each unit copying one row per chunk, looked up in the block table a chunk before its
+//! copy. bf16 rows go straight into one of two operand buffers; fp8 rows (FlashMLA's
+//! 656 bytes: 512 E4M3 codes, 4 power-of-two f32 scales, 64 bf16 rope values) go to one
+//! staging buffer and are decoded exactly into the other operand buffer at the end of the
+//! chunk before, after which an fp8 chunk is a bf16 one.
+use cubecl::prelude::barrier::{copy_async, Barrier};
+use cubecl::prelude::*;
+use half::bf16;
+
+use super::kernel::kv_row;
+use super::KvFormat;
+use crate::warp_mma::Frag;
+
+/// 16-byte vectors of bf16 per KV row (576 values).
+pub(super) const ROW_VECS: usize = 72;
+/// 16-byte vectors of an fp8 row (656 bytes).
+pub(super) const FP8_ROW_VECS: usize = 41;
+/// Shared-memory stride of a KV row in 16-byte vectors: odd, so the 8 rows an `ldmatrix`
+/// reads fall in distinct bank groups.
+pub(super) const KV_STRIDE: usize = 73;
+
+/// Starts a split's pipeline with `units` units: chunk `c_begin`'s rows in flight on `bar`
+/// (bf16: into operand buffer 0; fp8: into staging, then, by [`next_fp8_chunk`], decoded
+/// into buffer 0 with the copy of the chunk after in flight). Returns this unit's cache row
+/// of the next chunk to copy.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn start_chunks(
+    kv_vecs: &Array<Vector<bf16, Const<8>>>,
+    kv_raw: &Array<Vector<u32, Const<4>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    staging: &mut SharedMemory<Vector<u32, Const<4>>>,
+    bar: &Barrier,
+    block_table: &Array<u32>,
+    table: usize,
+    c_begin: usize,
+    c_end: usize,
+    last_pos: usize,
+    page_size: usize,
+    unit: usize,
+    #[comptime] units: usize,
+    #[comptime] format: KvFormat,
+) -> usize {
+    let mut row = chunk_row(
+        block_table,
+        table,
+        c_begin,
+        last_pos,
+        page_size,
+        unit,
+        units,
+    );
+    if c_begin < c_end {
+        if comptime!(format == KvFormat::Fp8) {
+            copy_fp8_row(kv_raw, staging, row, unit, units);
+        } else {
+            copy_bf16_row(kv_vecs, kvs, 0, row, unit, units);
+        }
+        bar.commit_copy_async();
+        row = chunk_row(
+            block_table,
+            table,
+            c_begin + 1,
+            last_pos,
+            page_size,
+            unit,
+            units,
+        );
+        if comptime!(format == KvFormat::Fp8) {
+            row = next_fp8_chunk(
+                kv_raw,
+                kvs,
+                staging,
+                bar,
+                block_table,
+                table,
+                c_begin,
+                c_end,
+                0,
+                last_pos,
+                page_size,
+                row,
+                unit,
+                units,
+            );
+        }
+    }
+    row
+}
+
+/// fp8: when chunk `c` (before `c_end`) is in flight into staging on `bar`, waits for it,
+/// decodes it into operand buffer `buf`, and once every unit is past (staging free, the
+/// buffer complete), starts the copy of chunk `c + 1` from this unit's cache row `row`.
+/// Returns the unit's cache row of chunk `c + 2`, or `row` when nothing was copied.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn next_fp8_chunk(
+    kv_raw: &Array<Vector<u32, Const<4>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    staging: &mut SharedMemory<Vector<u32, Const<4>>>,
+    bar: &Barrier,
+    block_table: &Array<u32>,
+    table: usize,
+    c: usize,
+    c_end: usize,
+    buf: usize,
+    last_pos: usize,
+    page_size: usize,
+    row: usize,
+    unit: usize,
+    #[comptime] units: usize,
+) -> usize {
+    let mut next = row;
+    if c < c_end {
+        bar.arrive_and_wait();
+        decode_fp8_chunk(staging, kvs, buf, unit, units);
+        sync_cube();
+        if c + 1 < c_end {
+            copy_fp8_row(kv_raw, staging, row, unit, units);
+            bar.commit_copy_async();
+            next = chunk_row(block_table, table, c + 2, last_pos, page_size, unit, units);
+        }
+    }
+    next
+}
+
+/// Starts this unit's cp.async copies of an fp8 chunk into `staging`: with `units` (a
+/// multiple of 32), unit `u` copies every `units / 32`-th of the 41 vectors of the chunk's
+/// row `u / (units / 32)`, which is cache row `cache_row`.
+#[cube]
+pub(super) fn copy_fp8_row(
+    kv_raw: &Array<Vector<u32, Const<4>>>,
+    staging: &mut SharedMemory<Vector<u32, Const<4>>>,
+    cache_row: usize,
+    unit: usize,
+    #[comptime] units: usize,
+) {
+    let per_row = comptime!(units / 32);
+    let src = cache_row * FP8_ROW_VECS;
+    let dst = (unit / per_row) * FP8_ROW_VECS;
+    #[unroll]
+    for j in 0..comptime!(FP8_ROW_VECS.div_ceil(per_row)) {
+        let v = unit % per_row + j * per_row;
+        if v < FP8_ROW_VECS {
+            copy_async(
+                &kv_raw.slice(src + v, src + v + 1),
+                &mut staging.slice_mut(dst + v, dst + v + 1),
+                4u32,
+            );
+        }
+    }
+}
+
+/// The cache row this unit copies in chunk `c` (see [`copy_bf16_row`], [`copy_fp8_row`]): position
+/// `c * 32 + unit / (units / 32)`, or `last_pos` past it.
+#[cube]
+pub(super) fn chunk_row(
+    block_table: &Array<u32>,
+    table: usize,
+    c: usize,
+    last_pos: usize,
+    page_size: usize,
+    unit: usize,
+    #[comptime] units: usize,
+) -> usize {
+    let r = unit / comptime!(units / 32);
+    kv_row(block_table, table, min(c * 32 + r, last_pos), page_size)
+}
+
+/// Starts this unit's cp.async copies of a bf16 chunk into operand buffer `buf` of `kvs`:
+/// with `units` (a multiple of 32 dividing 32 x 72), unit `u` copies every `units / 32`-th
+/// vector of the chunk's row `u / (units / 32)`, which is cache row `cache_row`.
+#[cube]
+pub(super) fn copy_bf16_row(
+    kv_vecs: &Array<Vector<bf16, Const<8>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    buf: usize,
+    cache_row: usize,
+    unit: usize,
+    #[comptime] units: usize,
+) {
+    let per_row = comptime!(units / 32);
+    let src = cache_row * ROW_VECS;
+    let dst = (buf * 32 + unit / per_row) * KV_STRIDE;
+    #[unroll]
+    for j in 0..comptime!(ROW_VECS / per_row) {
+        let v = unit % per_row + j * per_row;
+        copy_async(
+            &kv_vecs.slice(src + v, src + v + 1),
+            &mut kvs.slice_mut(dst + v, dst + v + 1),
+            8u32,
+        );
+    }
+}
+
+/// Decodes the staging buffer (32 fp8 rows: 512 E4M3 codes, 4 f32 power-of-two scales, 64
+/// bf16 rope values each) into operand buffer `buf` as the rows' values, exactly: each code
+/// pair's bits move into bf16 as `code * 2^-120` (subnormal in bf16 where needed), then one
+/// bf16x2 multiply by `2^120 * scale` gives `code * scale` (a second multiply where the
+/// scale passes `2^7`, beyond bf16's range for the combined factor); dimensions land as
+/// (0, 2, 1, 3) per 4. `units` is 128 or 256: unit `u` decodes scale group `(u / 32) % 4`
+/// of row `u % 32` (half of it each when 256), so it reads one scale and a warp's 16-byte
+/// reads and writes fall in distinct banks (row strides of 41 and 73 vectors).
+#[cube]
+pub(super) fn decode_fp8_chunk(
+    staging: &SharedMemory<Vector<u32, Const<4>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    buf: usize,
+    unit: usize,
+    #[comptime] units: usize,
+) {
+    let r = unit % 32;
+    let grp = (unit / 32) % 4;
+    let row = r * FP8_ROW_VECS;
+    let dst = (buf * 32 + r) * KV_STRIDE;
+    let scales = staging[row + 32];
+    let scale = select(
+        grp < 2,
+        select(grp == 0, scales[0], scales[1]),
+        select(grp == 2, scales[2], scales[3]),
+    );
+    // The scale's exponent field `e` (scale = 2^(e - 127)): `2^120 * scale` has field
+    // `e + 120`, within bf16's range up to `e = 134`; past it, the rest as a second factor.
+    let e = (scale >> 23) & 0xff;
+    let first = Frag::reinterpret(((min(e, 134) + 120) << 7) * 0x0001_0001);
+    let rest = Frag::reinterpret(((max(e, 134) - 7) << 7) * 0x0001_0001);
+    let beyond = e > 134;
+    let per_unit = comptime!(8 * 128 / units);
+    #[unroll]
+    for i in 0..per_unit {
+        // Codes 16 cv..16 cv + 16 of the group: output vectors 2 cv, 2 cv + 1.
+        let cv = (unit / 128) * per_unit + i;
+        let codes = staging[row + grp * 8 + cv];
+        #[unroll]
+        for half in 0..2usize {
+            let mut pairs = Vector::<u32, Const<4>>::empty();
+            #[unroll]
+            for h in 0..2usize {
+                let w = codes[half * 2 + h];
+                // Bytes 0 and 2, then 1 and 3, each into a bf16 half: magnitude bits to
+                // 4..10, sign to 15.
+                let p02 = ((w & 0x007f_007fu32) << 4) | ((w & 0x0080_0080u32) << 8);
+                let p13 = ((w >> 4) & 0x07f0_07f0u32) | (w & 0x8000_8000u32);
+                let mut x02 = Frag::reinterpret(p02) * first;
+                let mut x13 = Frag::reinterpret(p13) * first;
+                if beyond {
+                    x02 *= rest;
+                    x13 *= rest;
+                }
+                pairs[h * 2] = u32::reinterpret(x02);
+                pairs[h * 2 + 1] = u32::reinterpret(x13);
+            }
+            kvs[dst + grp * 16 + 2 * cv + half] = Vector::<bf16, Const<8>>::reinterpret(pairs);
+        }
+    }
+    // Rope: 8 bf16 vectors per row at staging vector 33, copied as they are.
+    #[unroll]
+    for j in 0..comptime!(256 / units) {
+        let idx = unit + j * units;
+        let rr = idx % 32;
+        let v = idx / 32;
+        kvs[(buf * 32 + rr) * KV_STRIDE + 64 + v] =
+            Vector::<bf16, Const<8>>::reinterpret(staging[rr * FP8_ROW_VECS + 33 + v]);
+    }
+}
