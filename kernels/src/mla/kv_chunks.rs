@@ -21,10 +21,53 @@ pub(super) const FP8_ROW_VECS: usize = 41;
 /// reads fall in distinct bank groups.
 pub(super) const KV_STRIDE: usize = 73;
 
-/// Starts a split's pipeline with `units` units: chunk `c_begin`'s rows in flight on `bar`
-/// (bf16: into operand buffer 0; fp8: into staging, then, by [`next_fp8_chunk`], decoded
-/// into buffer 0 with the copy of the chunk after in flight). Returns this unit's cache row
-/// of the next chunk to copy.
+/// A split's chunks `begin..end` of one request: its block table starts at `table`,
+/// positions past `last_pos` read that one again (finite values, weighted 0), pages hold
+/// `page_size` rows.
+#[derive(CubeType)]
+pub(super) struct KvSpan {
+    pub begin: usize,
+    pub end: usize,
+    table: usize,
+    last_pos: usize,
+    page_size: usize,
+}
+
+#[cube]
+impl KvSpan {
+    pub fn new(begin: usize, end: usize, table: usize, last_pos: usize, page_size: usize) -> Self {
+        KvSpan {
+            begin,
+            end,
+            table,
+            last_pos,
+            page_size,
+        }
+    }
+
+    /// The cache row this unit copies in chunk `c` (see [`copy_row`]): position
+    /// `c * 32 + unit / (units / 32)`, or `last_pos` past it.
+    pub fn row(
+        &self,
+        block_table: &Array<u32>,
+        c: usize,
+        unit: usize,
+        #[comptime] units: usize,
+    ) -> usize {
+        let r = unit / comptime!(units / 32);
+        kv_row(
+            block_table,
+            self.table,
+            min(c * 32 + r, self.last_pos),
+            self.page_size,
+        )
+    }
+}
+
+/// Starts a split's pipeline with `units` units: chunk `span.begin`'s rows in flight on
+/// `bar` (bf16: into operand buffer 0; fp8: into staging, then, by [`next_fp8_chunk`],
+/// decoded into buffer 0 with the copy of the chunk after in flight). Returns this unit's
+/// cache row of the next chunk to copy.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn start_chunks(
@@ -34,40 +77,20 @@ pub(super) fn start_chunks(
     staging: &mut SharedMemory<Vector<u32, Const<4>>>,
     bar: &Barrier,
     block_table: &Array<u32>,
-    table: usize,
-    c_begin: usize,
-    c_end: usize,
-    last_pos: usize,
-    page_size: usize,
+    span: &KvSpan,
     unit: usize,
     #[comptime] units: usize,
     #[comptime] format: KvFormat,
 ) -> usize {
-    let mut row = chunk_row(
-        block_table,
-        table,
-        c_begin,
-        last_pos,
-        page_size,
-        unit,
-        units,
-    );
-    if c_begin < c_end {
+    let mut row = span.row(block_table, span.begin, unit, units);
+    if span.begin < span.end {
         if comptime!(format == KvFormat::Fp8) {
             copy_fp8_row(kv_raw, staging, row, unit, units);
         } else {
             copy_bf16_row(kv_vecs, kvs, 0, row, unit, units);
         }
         bar.commit_copy_async();
-        row = chunk_row(
-            block_table,
-            table,
-            c_begin + 1,
-            last_pos,
-            page_size,
-            unit,
-            units,
-        );
+        row = span.row(block_table, span.begin + 1, unit, units);
         if comptime!(format == KvFormat::Fp8) {
             row = next_fp8_chunk(
                 kv_raw,
@@ -75,12 +98,9 @@ pub(super) fn start_chunks(
                 staging,
                 bar,
                 block_table,
-                table,
-                c_begin,
-                c_end,
+                span,
+                span.begin,
                 0,
-                last_pos,
-                page_size,
                 row,
                 unit,
                 units,
@@ -90,8 +110,8 @@ pub(super) fn start_chunks(
     row
 }
 
-/// fp8: when chunk `c` (before `c_end`) is in flight into staging on `bar`, waits for it,
-/// decodes it into operand buffer `buf`, and once every unit is past (staging free, the
+/// fp8: when chunk `c` (before `span.end`) is in flight into staging on `bar`, waits for
+/// it, decodes it into operand buffer `buf`, and once every unit is past (staging free, the
 /// buffer complete), starts the copy of chunk `c + 1` from this unit's cache row `row`.
 /// Returns the unit's cache row of chunk `c + 2`, or `row` when nothing was copied.
 #[cube]
@@ -102,33 +122,29 @@ pub(super) fn next_fp8_chunk(
     staging: &mut SharedMemory<Vector<u32, Const<4>>>,
     bar: &Barrier,
     block_table: &Array<u32>,
-    table: usize,
+    span: &KvSpan,
     c: usize,
-    c_end: usize,
     buf: usize,
-    last_pos: usize,
-    page_size: usize,
     row: usize,
     unit: usize,
     #[comptime] units: usize,
 ) -> usize {
     let mut next = row;
-    if c < c_end {
+    if c < span.end {
         bar.arrive_and_wait();
         decode_fp8_chunk(staging, kvs, buf, unit, units);
         sync_cube();
-        if c + 1 < c_end {
+        if c + 1 < span.end {
             copy_fp8_row(kv_raw, staging, row, unit, units);
             bar.commit_copy_async();
-            next = chunk_row(block_table, table, c + 2, last_pos, page_size, unit, units);
+            next = span.row(block_table, c + 2, unit, units);
         }
     }
     next
 }
 
-/// Starts this unit's cp.async copies of an fp8 chunk into `staging`: with `units` (a
-/// multiple of 32), unit `u` copies every `units / 32`-th of the 41 vectors of the chunk's
-/// row `u / (units / 32)`, which is cache row `cache_row`.
+/// Starts this unit's cp.async copies of an fp8 chunk into `staging` ([`copy_row`]; rows of
+/// 41 vectors, packed).
 #[cube]
 pub(super) fn copy_fp8_row(
     kv_raw: &Array<Vector<u32, Const<4>>>,
@@ -137,41 +153,53 @@ pub(super) fn copy_fp8_row(
     unit: usize,
     #[comptime] units: usize,
 ) {
+    let dst = (unit / comptime!(units / 32)) * FP8_ROW_VECS;
+    copy_row(
+        kv_raw,
+        staging,
+        cache_row,
+        dst,
+        unit,
+        FP8_ROW_VECS,
+        4u32,
+        units,
+    );
+}
+
+/// Starts this unit's cp.async copies of its row of a chunk: with `units` (a multiple of
+/// 32), unit `u` copies every `units / 32`-th of the `row_vecs` 16-byte vectors (`lanes`
+/// elements each) of cache row `cache_row` into `dst[dst_row..]`; its row of the chunk is
+/// `u / (units / 32)` (see [`KvSpan::row`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_row<V: CubePrimitive>(
+    src: &Array<V>,
+    dst: &mut SharedMemory<V>,
+    cache_row: usize,
+    dst_row: usize,
+    unit: usize,
+    #[comptime] row_vecs: usize,
+    #[comptime] lanes: u32,
+    #[comptime] units: usize,
+) {
     let per_row = comptime!(units / 32);
-    let src = cache_row * FP8_ROW_VECS;
-    let dst = (unit / per_row) * FP8_ROW_VECS;
+    let src_row = cache_row * row_vecs;
+    let whole = comptime!(row_vecs.is_multiple_of(per_row));
     #[unroll]
-    for j in 0..comptime!(FP8_ROW_VECS.div_ceil(per_row)) {
+    for j in 0..comptime!(row_vecs.div_ceil(per_row)) {
         let v = unit % per_row + j * per_row;
-        if v < FP8_ROW_VECS {
+        if whole || v < row_vecs {
             copy_async(
-                &kv_raw.slice(src + v, src + v + 1),
-                &mut staging.slice_mut(dst + v, dst + v + 1),
-                4u32,
+                &src.slice(src_row + v, src_row + v + 1),
+                &mut dst.slice_mut(dst_row + v, dst_row + v + 1),
+                lanes,
             );
         }
     }
 }
 
-/// The cache row this unit copies in chunk `c` (see [`copy_bf16_row`], [`copy_fp8_row`]): position
-/// `c * 32 + unit / (units / 32)`, or `last_pos` past it.
-#[cube]
-pub(super) fn chunk_row(
-    block_table: &Array<u32>,
-    table: usize,
-    c: usize,
-    last_pos: usize,
-    page_size: usize,
-    unit: usize,
-    #[comptime] units: usize,
-) -> usize {
-    let r = unit / comptime!(units / 32);
-    kv_row(block_table, table, min(c * 32 + r, last_pos), page_size)
-}
-
-/// Starts this unit's cp.async copies of a bf16 chunk into operand buffer `buf` of `kvs`:
-/// with `units` (a multiple of 32 dividing 32 x 72), unit `u` copies every `units / 32`-th
-/// vector of the chunk's row `u / (units / 32)`, which is cache row `cache_row`.
+/// Starts this unit's cp.async copies of a bf16 chunk into operand buffer `buf` of `kvs`
+/// ([`copy_row`]; rows of 72 vectors at a stride of [`KV_STRIDE`]).
 #[cube]
 pub(super) fn copy_bf16_row(
     kv_vecs: &Array<Vector<bf16, Const<8>>>,
@@ -181,18 +209,8 @@ pub(super) fn copy_bf16_row(
     unit: usize,
     #[comptime] units: usize,
 ) {
-    let per_row = comptime!(units / 32);
-    let src = cache_row * ROW_VECS;
-    let dst = (buf * 32 + unit / per_row) * KV_STRIDE;
-    #[unroll]
-    for j in 0..comptime!(ROW_VECS / per_row) {
-        let v = unit % per_row + j * per_row;
-        copy_async(
-            &kv_vecs.slice(src + v, src + v + 1),
-            &mut kvs.slice_mut(dst + v, dst + v + 1),
-            8u32,
-        );
-    }
+    let dst = (buf * 32 + unit / comptime!(units / 32)) * KV_STRIDE;
+    copy_row(kv_vecs, kvs, cache_row, dst, unit, ROW_VECS, 8u32, units);
 }
 
 /// Decodes the staging buffer (32 fp8 rows: 512 E4M3 codes, 4 f32 power-of-two scales, 64

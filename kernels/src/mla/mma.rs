@@ -38,7 +38,7 @@ use cubecl::prelude::*;
 use half::bf16;
 
 use super::kv_chunks::{
-    chunk_row, copy_bf16_row, next_fp8_chunk, start_chunks, FP8_ROW_VECS, KV_STRIDE,
+    copy_bf16_row, next_fp8_chunk, start_chunks, KvSpan, FP8_ROW_VECS, KV_STRIDE,
 };
 use super::KvFormat;
 use crate::warp_mma::{Acc, Frag};
@@ -110,7 +110,6 @@ pub fn mma_attention_kernel(
         let chunks = last_pos / 32 + 1;
         let c_begin = chunks * split / splits;
         let c_end = chunks * (split + 1) / splits;
-        let table = b * max_blocks as usize;
 
         let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
         let fp8 = comptime!(cfg.format == KvFormat::Fp8);
@@ -175,7 +174,13 @@ pub fn mma_attention_kernel(
         // row per chunk, looked up in the block table a chunk before its copy.
         let bar_a = Barrier::shared(UNITS, unit == 0);
         let bar_b = Barrier::shared(UNITS, unit == 0);
-        let page_size = page_size as usize;
+        let span = KvSpan::new(
+            c_begin,
+            c_end,
+            b * max_blocks as usize,
+            last_pos,
+            page_size as usize,
+        );
         let units = comptime!(UNITS as usize);
         let mut next_row = start_chunks(
             kv_vecs,
@@ -184,11 +189,7 @@ pub fn mma_attention_kernel(
             &mut staging,
             &bar_a,
             block_table,
-            table,
-            c_begin,
-            c_end,
-            last_pos,
-            page_size,
+            &span,
             unit,
             units,
             cfg.format,
@@ -205,8 +206,7 @@ pub fn mma_attention_kernel(
                     } else {
                         bar_a.commit_copy_async();
                     }
-                    next_row =
-                        chunk_row(block_table, table, c + 2, last_pos, page_size, unit, units);
+                    next_row = span.row(block_table, c + 2, unit, units);
                 }
                 if buf == 0 {
                     bar_a.arrive_and_wait();
@@ -347,12 +347,9 @@ pub fn mma_attention_kernel(
                     &mut staging,
                     &bar_a,
                     block_table,
-                    table,
+                    &span,
                     c + 1,
-                    c_end,
                     1 - buf,
-                    last_pos,
-                    page_size,
                     next_row,
                     unit,
                     units,

@@ -27,7 +27,7 @@ use cubecl::prelude::*;
 use half::bf16;
 
 use super::kv_chunks::{
-    chunk_row, copy_bf16_row, next_fp8_chunk, start_chunks, FP8_ROW_VECS, KV_STRIDE, ROW_VECS,
+    copy_bf16_row, next_fp8_chunk, start_chunks, KvSpan, FP8_ROW_VECS, KV_STRIDE, ROW_VECS,
 };
 use super::mma::{MmaAttnConfig, NEG_BIG};
 use super::KvFormat;
@@ -92,7 +92,6 @@ pub fn wide_attention_kernel(
         let chunks = last_pos / 32 + 1;
         let c_begin = chunks * split / splits;
         let c_end = chunks * (split + 1) / splits;
-        let table = b * max_blocks as usize;
 
         let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
         let fp8 = comptime!(cfg.format == KvFormat::Fp8);
@@ -165,7 +164,13 @@ pub fn wide_attention_kernel(
         // the chunk after starts.
         let bar_a = Barrier::shared(UNITS, unit == 0);
         let bar_b = Barrier::shared(UNITS, unit == 0);
-        let page_size = page_size as usize;
+        let span = KvSpan::new(
+            c_begin,
+            c_end,
+            b * max_blocks as usize,
+            last_pos,
+            page_size as usize,
+        );
         let units = comptime!(UNITS as usize);
         let mut next_row = start_chunks(
             kv_vecs,
@@ -174,11 +179,7 @@ pub fn wide_attention_kernel(
             &mut staging,
             &bar_a,
             block_table,
-            table,
-            c_begin,
-            c_end,
-            last_pos,
-            page_size,
+            &span,
             unit,
             units,
             cfg.format,
@@ -199,8 +200,7 @@ pub fn wide_attention_kernel(
                     } else {
                         bar_a.commit_copy_async();
                     }
-                    next_row =
-                        chunk_row(block_table, table, c + 2, last_pos, page_size, unit, units);
+                    next_row = span.row(block_table, c + 2, unit, units);
                 }
             }
             let kb = buf * 32 * KV_STRIDE;
@@ -395,12 +395,9 @@ pub fn wide_attention_kernel(
                     &mut staging,
                     &bar_a,
                     block_table,
-                    table,
+                    &span,
                     c + 1,
-                    c_end,
                     1 - buf,
-                    last_pos,
-                    page_size,
                     next_row,
                     unit,
                     units,
