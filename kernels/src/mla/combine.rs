@@ -9,11 +9,19 @@ use super::mma::NEG_BIG;
 pub const COMBINE_UNITS: u32 = 256;
 /// Output dimensions per combine cube.
 pub const COMBINE_DIMS: u32 = 32;
+/// Most splits a launch may have: 4 per unit in the combine's first pass.
+pub const MAX_SPLITS: usize = 1024;
+/// Splits per lane whose sums are loaded together in the second pass.
+const LOADS: usize = 4;
 
 /// Merges the splits of one query row: `out = sum_s e^{m_s - M} O_s / sum_s e^{m_s - M} l_s`
-/// over the splits that saw any position (`l_s > 0`). A cube per (row, 32 dimensions):
-/// unit `u` takes the splits `s = u / 8 (mod 32)` and the 4 dimensions `u % 8`, so each
-/// unit walks at most `splits / 32` splits; the 32 split lanes meet in shared memory.
+/// over the splits that saw any position (`l_s > 0`). A cube per (row, 32 dimensions).
+///
+/// Every load is independent of the ones before, so each unit has several in flight (a
+/// loop that folds each split into running values before loading the next waits one L2
+/// round trip per split): first the units read all splits' `(m, l)`, 4 each, and leave the
+/// weights `e^{m_s - M}` in shared memory; then unit `u` takes the 4 dimensions `u % 8`
+/// of splits `s = u / 8 (mod 32)`, [`LOADS`] splits' vectors per round.
 #[cube(launch_unchecked)]
 pub fn combine_kernel(
     part_out: &Array<Vector<f32, Const<4>>>,
@@ -25,46 +33,96 @@ pub fn combine_kernel(
     let row = CUBE_POS_X as usize;
     let block = CUBE_POS_Y as usize;
     let unit = UNIT_POS_X as usize;
-    let lane = unit / 8;
-    let vec = block * 8 + unit % 8;
+    let units = comptime!(COMBINE_UNITS as usize);
     let total = total_rows as usize;
-    let mut maxes = SharedMemory::<f32>::new(32usize);
+    let n = splits as usize;
+    let mut weights = SharedMemory::<f32>::new(MAX_SPLITS);
+    let mut warp_maxes = SharedMemory::<f32>::new(8usize);
+    let mut warp_dens = SharedMemory::<f32>::new(8usize);
     let mut sums = SharedMemory::<Vector<f32, Const<4>>>::new(256usize);
-    let mut dens = SharedMemory::<f32>::new(32usize);
-    let mut m = f32::new(NEG_BIG);
-    for s in range_stepped(lane, splits as usize, 32usize) {
-        let at = (s * total + row) * 2;
-        m = select(part_ml[at + 1] > 0.0, max(m, part_ml[at]), m);
+
+    // 1. Every split's (max, sum), 4 per unit, then the row's max `M` and denominator.
+    let mut ms = Array::<f32>::new(4usize);
+    let mut ls = Array::<f32>::new(4usize);
+    let mut local = f32::new(NEG_BIG);
+    #[unroll]
+    for k in 0..4usize {
+        let s = unit + k * units;
+        ms[k] = f32::new(NEG_BIG);
+        ls[k] = 0.0;
+        if s < n {
+            let at = (s * total + row) * 2;
+            ms[k] = part_ml[at];
+            ls[k] = part_ml[at + 1];
+        }
+        local = select(ls[k] > 0.0, max(local, ms[k]), local);
     }
-    if unit % 8 == 0 {
-        maxes[lane] = m;
+    let warp_max = plane_max(local);
+    if unit % 32 == 0 {
+        warp_maxes[unit / 32] = warp_max;
     }
     sync_cube();
+    let mut m = warp_maxes[0];
     #[unroll]
-    for l in 0..32usize {
-        m = max(m, maxes[l]);
+    for w in 1..8usize {
+        m = max(m, warp_maxes[w]);
     }
-    let mut num = Vector::<f32, Const<4>>::new(0.0);
     let mut den = 0.0f32;
-    for s in range_stepped(lane, splits as usize, 32usize) {
-        let at = (s * total + row) * 2;
-        let l = part_ml[at + 1];
-        let w = select(l > 0.0, (part_ml[at] - m).exp(), 0.0);
-        den += w * l;
-        num += Vector::new(w) * part_out[(s * total + row) * 128 + vec];
+    #[unroll]
+    for k in 0..4usize {
+        let s = unit + k * units;
+        let w = select(ls[k] > 0.0, (ms[k] - m).exp(), 0.0);
+        den += w * ls[k];
+        if s < n {
+            weights[s] = w;
+        }
     }
+    let warp_den = plane_sum(den);
+    if unit % 32 == 0 {
+        warp_dens[unit / 32] = warp_den;
+    }
+    sync_cube();
+
+    // 2. This unit's splits, LOADS at a time: loads first, then the weighted adds.
+    let lane = unit / 8;
+    let vec = block * 8 + unit % 8;
+    let mut num = Vector::<f32, Const<4>>::new(0.0);
+    for s0 in range_stepped(lane, n, comptime!(32 * LOADS)) {
+        let mut v = Array::<Vector<f32, Const<4>>>::new(LOADS);
+        #[unroll]
+        for k in 0..LOADS {
+            let s = s0 + k * 32;
+            v[k] = Vector::new(0.0);
+            if s < n {
+                v[k] = part_out[(s * total + row) * 128 + vec];
+            }
+        }
+        #[unroll]
+        for k in 0..LOADS {
+            let s = s0 + k * 32;
+            if s < n {
+                num += Vector::new(weights[s]) * v[k];
+            }
+        }
+    }
+
+    // 3. The 32 lanes' sums: 4 at a time by 64 units, then 8 by the first 8.
     sums[unit] = num;
-    if unit % 8 == 0 {
-        dens[lane] = den;
+    sync_cube();
+    if unit < 64 {
+        sums[unit] = sums[unit] + sums[unit + 64] + sums[unit + 128] + sums[unit + 192];
     }
     sync_cube();
     if unit < 8 {
-        let mut acc = Vector::<f32, Const<4>>::new(0.0);
+        let mut acc = sums[unit];
+        #[unroll]
+        for j in 1..8usize {
+            acc += sums[unit + j * 8];
+        }
         let mut total_den = 0.0f32;
         #[unroll]
-        for l in 0..32usize {
-            acc += sums[l * 8 + unit];
-            total_den += dens[l];
+        for w in 0..8usize {
+            total_den += warp_dens[w];
         }
         out[row * 128 + vec] = acc / Vector::new(total_den);
     }

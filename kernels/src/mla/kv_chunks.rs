@@ -62,6 +62,129 @@ impl KvSpan {
             self.page_size,
         )
     }
+
+    /// The cache row this unit copies in half chunk `h` (positions `16 h..16 h + 16`; see
+    /// [`copy_bf16_half`]): position `h * 16 + unit / (units / 16)`, or `last_pos` past it.
+    pub fn half_row(
+        &self,
+        block_table: &Array<u32>,
+        h: usize,
+        unit: usize,
+        #[comptime] units: usize,
+    ) -> usize {
+        let r = unit / comptime!(units / 16);
+        kv_row(
+            block_table,
+            self.table,
+            min(h * 16 + r, self.last_pos),
+            self.page_size,
+        )
+    }
+}
+
+/// Half-chunk slots of the bf16 ring in the 16-row kernel: the chunk being read (2), the next
+/// chunk and the first half of the one after in flight (3). Two halves of lead where a
+/// double buffer has one chunk: 1.5x the bytes in flight per cube at 2 cubes per SM.
+pub(super) const RING_SLOTS: usize = 5;
+
+/// This unit's cache rows of the two half chunks it copies next into a ring.
+#[derive(CubeType)]
+pub(super) struct HalfRows {
+    first: usize,
+    second: usize,
+}
+
+#[cube]
+impl HalfRows {
+    /// Rows not looked up yet (the fp8 path keeps its own).
+    pub fn new() -> Self {
+        HalfRows {
+            first: 0,
+            second: 0,
+        }
+    }
+}
+
+/// Starts a split's bf16 ring: chunk `span.begin` (halves 0, 1: slots 0, 1) in flight on
+/// `bar_a`, the first half of the next chunk (slot 2) on `bar_b`. Sets `rows` to the rows
+/// of the next two halves (3 and 4) for [`next_bf16_halves`].
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn start_bf16_ring(
+    kv_vecs: &Array<Vector<bf16, Const<8>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    bar_a: &Barrier,
+    bar_b: &Barrier,
+    block_table: &Array<u32>,
+    span: &KvSpan,
+    rows: &mut HalfRows,
+    unit: usize,
+    #[comptime] units: usize,
+) {
+    let h0 = span.begin * 2;
+    if span.begin < span.end {
+        let first = span.half_row(block_table, h0, unit, units);
+        let second = span.half_row(block_table, h0 + 1, unit, units);
+        copy_bf16_half(kv_vecs, kvs, 0, first, unit, units);
+        copy_bf16_half(kv_vecs, kvs, 1, second, unit, units);
+        bar_a.commit_copy_async();
+        if span.begin + 1 < span.end {
+            let third = span.half_row(block_table, h0 + 2, unit, units);
+            copy_bf16_half(kv_vecs, kvs, 2, third, unit, units);
+            bar_b.commit_copy_async();
+        }
+    }
+    rows.first = span.half_row(block_table, h0 + 3, unit, units);
+    rows.second = span.half_row(block_table, h0 + 4, unit, units);
+}
+
+/// bf16 ring, at the top of chunk `c` (the split's `i`-th, `i = c - span.begin`; chunk `j`
+/// of the split is on `bar_a` when `j` is even): starts the copy of the next chunk's second
+/// half (half `2i + 3` of the split, in flight beside its first), waits for chunk `c` (slots
+/// `2i % 5`, `(2i + 1) % 5`), then starts the first half of chunk `c + 2`. The slots written
+/// held chunk `c - 1`, which every unit finished before chunk `c`. Moves `rows` on to the
+/// next two halves.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn next_bf16_halves(
+    kv_vecs: &Array<Vector<bf16, Const<8>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    bar_a: &Barrier,
+    bar_b: &Barrier,
+    block_table: &Array<u32>,
+    span: &KvSpan,
+    c: usize,
+    rows: &mut HalfRows,
+    unit: usize,
+    #[comptime] units: usize,
+) {
+    let i = c - span.begin;
+    let even = i % 2 == 0;
+    let h = i * 2;
+    if c + 1 < span.end {
+        copy_bf16_half(kv_vecs, kvs, (h + 3) % RING_SLOTS, rows.first, unit, units);
+        if even {
+            bar_b.commit_copy_async();
+        } else {
+            bar_a.commit_copy_async();
+        }
+    }
+    if even {
+        bar_a.arrive_and_wait();
+    } else {
+        bar_b.arrive_and_wait();
+    }
+    if c + 2 < span.end {
+        copy_bf16_half(kv_vecs, kvs, (h + 4) % RING_SLOTS, rows.second, unit, units);
+        if even {
+            bar_a.commit_copy_async();
+        } else {
+            bar_b.commit_copy_async();
+        }
+    }
+    let next = span.begin * 2 + h + 5;
+    rows.first = span.half_row(block_table, next, unit, units);
+    rows.second = span.half_row(block_table, next + 1, unit, units);
 }
 
 /// Starts a split's pipeline with `units` units: chunk `span.begin`'s rows in flight on
@@ -162,14 +285,13 @@ pub(super) fn copy_fp8_row(
         unit,
         FP8_ROW_VECS,
         4u32,
-        units,
+        comptime!(units / 32),
     );
 }
 
-/// Starts this unit's cp.async copies of its row of a chunk: with `units` (a multiple of
-/// 32), unit `u` copies every `units / 32`-th of the `row_vecs` 16-byte vectors (`lanes`
-/// elements each) of cache row `cache_row` into `dst[dst_row..]`; its row of the chunk is
-/// `u / (units / 32)` (see [`KvSpan::row`]).
+/// Starts this unit's cp.async copies of its share of one row: with `per_row` units to a
+/// row, unit `u` copies every `per_row`-th of the `row_vecs` 16-byte vectors (`lanes`
+/// elements each) of cache row `cache_row` into `dst[dst_row..]`, starting at `u % per_row`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_row<V: CubePrimitive>(
@@ -180,9 +302,8 @@ fn copy_row<V: CubePrimitive>(
     unit: usize,
     #[comptime] row_vecs: usize,
     #[comptime] lanes: u32,
-    #[comptime] units: usize,
+    #[comptime] per_row: usize,
 ) {
-    let per_row = comptime!(units / 32);
     let src_row = cache_row * row_vecs;
     let whole = comptime!(row_vecs.is_multiple_of(per_row));
     #[unroll]
@@ -210,7 +331,41 @@ pub(super) fn copy_bf16_row(
     #[comptime] units: usize,
 ) {
     let dst = (buf * 32 + unit / comptime!(units / 32)) * KV_STRIDE;
-    copy_row(kv_vecs, kvs, cache_row, dst, unit, ROW_VECS, 8u32, units);
+    copy_row(
+        kv_vecs,
+        kvs,
+        cache_row,
+        dst,
+        unit,
+        ROW_VECS,
+        8u32,
+        comptime!(units / 32),
+    );
+}
+
+/// Starts this unit's cp.async copies of its row of a half chunk (16 positions) into slot
+/// `slot` of a ring of half-chunk buffers (rows at a stride of [`KV_STRIDE`]); its row is
+/// `unit / (units / 16)` (see [`KvSpan::half_row`]).
+#[cube]
+fn copy_bf16_half(
+    kv_vecs: &Array<Vector<bf16, Const<8>>>,
+    kvs: &mut SharedMemory<Vector<bf16, Const<8>>>,
+    slot: usize,
+    cache_row: usize,
+    unit: usize,
+    #[comptime] units: usize,
+) {
+    let dst = (slot * 16 + unit / comptime!(units / 16)) * KV_STRIDE;
+    copy_row(
+        kv_vecs,
+        kvs,
+        cache_row,
+        dst,
+        unit,
+        ROW_VECS,
+        8u32,
+        comptime!(units / 16),
+    );
 }
 
 /// Decodes the staging buffer (32 fp8 rows: 512 E4M3 codes, 4 f32 power-of-two scales, 64

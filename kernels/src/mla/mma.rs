@@ -9,9 +9,11 @@
 //! by the 4 row groups of 64 heads comes from L2 after the first.
 //!
 //! Per chunk of [`CHUNK`] KV positions (4 warps, 128 units):
-//! 1. the chunk's rows arrive in shared memory by cp.async, issued one chunk ahead (fp8
-//!    rows into a staging buffer, decoded at the end of the previous chunk into the other
-//!    of two bf16 operand buffers, so fp8 costs no extra barrier; `kv_chunks.rs`);
+//! 1. the chunk's rows arrive in shared memory by cp.async: bf16 rows into a ring of 5
+//!    half-chunk slots, issued a chunk and a half ahead (at 2 cubes per SM, one chunk of
+//!    lead left the loads short of bandwidth); fp8 rows one chunk ahead into a staging
+//!    buffer, decoded at the end of the previous chunk into the other of two bf16 operand
+//!    buffers, so fp8 costs no extra barrier (`kv_chunks.rs`);
 //! 2. each warp computes the 16 x 32 scores over its quarter of the 576 dimensions (128
 //!    of the latent and 16 of the rope part), its query fragments held in registers for
 //!    the whole kernel, and stores them;
@@ -38,7 +40,8 @@ use cubecl::prelude::*;
 use half::bf16;
 
 use super::kv_chunks::{
-    copy_bf16_row, next_fp8_chunk, start_chunks, KvSpan, FP8_ROW_VECS, KV_STRIDE,
+    next_bf16_halves, next_fp8_chunk, start_bf16_ring, start_chunks, HalfRows, KvSpan,
+    FP8_ROW_VECS, KV_STRIDE, RING_SLOTS,
 };
 use super::KvFormat;
 use crate::warp_mma::{Acc, Frag};
@@ -113,8 +116,11 @@ pub fn mma_attention_kernel(
 
         let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
         let fp8 = comptime!(cfg.format == KvFormat::Fp8);
+        // Operand buffers in half-chunk slots of 16 rows: bf16 a ring of 5, fp8 the two
+        // halves of two chunk buffers.
+        let slots = comptime!(if fp8 { 4 } else { RING_SLOTS });
         let mut kvs =
-            SharedMemory::<Vector<bf16, Const<8>>>::new_aligned(2 * 32 * KV_STRIDE, 16usize);
+            SharedMemory::<Vector<bf16, Const<8>>>::new_aligned(slots * 16 * KV_STRIDE, 16usize);
         let mut staging = SharedMemory::<Vector<u32, Const<4>>>::new_aligned(
             comptime!(if fp8 { 32 * FP8_ROW_VECS } else { 1 }),
             16usize,
@@ -168,10 +174,11 @@ pub fn mma_attention_kernel(
         let mut m_run = f32::new(NEG_BIG);
         let mut l_run = 0.0f32;
 
-        // Rows are copied with cp.async one chunk ahead: bf16 rows straight into two operand
-        // buffers; fp8 rows into one staging buffer, decoded into the other operand buffer
-        // at the end of the chunk before, then the next copy starts. Each unit copies one
-        // row per chunk, looked up in the block table a chunk before its copy.
+        // Rows are copied with cp.async ahead of their use: bf16 rows straight into a ring
+        // of half-chunk slots, a chunk and a half ahead; fp8 rows one chunk ahead into one
+        // staging buffer, decoded into the other operand buffer at the end of the chunk
+        // before, then the next copy starts. Rows are looked up in the block table an
+        // iteration before their copy.
         let bar_a = Barrier::shared(UNITS, unit == 0);
         let bar_b = Barrier::shared(UNITS, unit == 0);
         let span = KvSpan::new(
@@ -182,39 +189,56 @@ pub fn mma_attention_kernel(
             page_size as usize,
         );
         let units = comptime!(UNITS as usize);
-        let mut next_row = start_chunks(
-            kv_vecs,
-            kv_raw,
-            &mut kvs,
-            &mut staging,
-            &bar_a,
-            block_table,
-            &span,
-            unit,
-            units,
-            cfg.format,
-        );
+        let mut next_row = 0usize;
+        let mut halves = HalfRows::new();
+        if fp8 {
+            next_row = start_chunks(
+                kv_vecs,
+                kv_raw,
+                &mut kvs,
+                &mut staging,
+                &bar_a,
+                block_table,
+                &span,
+                unit,
+                units,
+                cfg.format,
+            );
+        } else {
+            start_bf16_ring(
+                kv_vecs,
+                &mut kvs,
+                &bar_a,
+                &bar_b,
+                block_table,
+                &span,
+                &mut halves,
+                unit,
+                units,
+            );
+        }
         for c in c_begin..c_end {
             // 1. The chunk's KV rows in shared memory as bf16. Positions past the last are
             // read from the last row (finite values, weighted 0 below).
             let buf = (c - c_begin) % 2;
             if !fp8 {
-                if c + 1 < c_end {
-                    copy_bf16_row(kv_vecs, &mut kvs, 1 - buf, next_row, unit, units);
-                    if buf == 0 {
-                        bar_b.commit_copy_async();
-                    } else {
-                        bar_a.commit_copy_async();
-                    }
-                    next_row = span.row(block_table, c + 2, unit, units);
-                }
-                if buf == 0 {
-                    bar_a.arrive_and_wait();
-                } else {
-                    bar_b.arrive_and_wait();
-                }
+                next_bf16_halves(
+                    kv_vecs,
+                    &mut kvs,
+                    &bar_a,
+                    &bar_b,
+                    block_table,
+                    &span,
+                    c,
+                    &mut halves,
+                    unit,
+                    units,
+                );
             }
-            let kb = buf * 32 * KV_STRIDE;
+            // The chunk's two halves (positions 0..16, 16..32) in their slots.
+            let half_at = (c - c_begin) * 2;
+            let kb0 = (half_at % slots) * 16 * KV_STRIDE;
+            let kb1 = ((half_at + 1) % slots) * 16 * KV_STRIDE;
 
             // 2. Scores over this warp's dimensions: 4 n-tiles of 8 positions.
             #[unroll]
@@ -228,7 +252,11 @@ pub fn mma_attention_kernel(
                     if comptime!(j < 8) {
                         vec0 = warp * 16 + j * 2;
                     }
-                    let at = kb + (nt * 8 + lane % 8) * KV_STRIDE + vec0 + (lane / 8) % 2;
+                    let mut kb = kb1;
+                    if comptime!(nt < 2) {
+                        kb = kb0;
+                    }
+                    let at = kb + ((nt % 2) * 8 + lane % 8) * KV_STRIDE + vec0 + (lane / 8) % 2;
                     let kf = mma.load_matrix::<Vector<bf16, Const<8>>, Const<2>>(
                         &kvs.slice(at, at + 1),
                         cmma::MatrixIdent::B,
@@ -314,7 +342,11 @@ pub fn mma_attention_kernel(
                 }
                 #[unroll]
                 for np in 0usize..N_TILES / 2 {
-                    let kv_r = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+                    let mut kb = kb1;
+                    if comptime!(kk == 0) {
+                        kb = kb0;
+                    }
+                    let kv_r = ((lane / 8) % 2) * 8 + lane % 8;
                     let vat = kb + kv_r * KV_STRIDE + warp * 16 + np * 2 + lane / 16;
                     let vb = mma.load_matrix::<Vector<bf16, Const<8>>, Const<2>>(
                         &kvs.slice(vat, vat + 1),

@@ -178,7 +178,7 @@ fn mma_splits<R: Runtime>(
     let chunks = max_kv_len.div_ceil(mma::CHUNK as usize).max(1);
     (per_sm * sms / cubes)
         .min(chunks.div_ceil(min_chunks))
-        .clamp(1, 1024)
+        .clamp(1, combine::MAX_SPLITS)
 }
 
 /// True when a launch takes the 64-row kernel: at least 64 query rows in the longest
