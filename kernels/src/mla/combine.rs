@@ -5,23 +5,34 @@ use cubecl::prelude::*;
 
 use super::mma::NEG_BIG;
 
-/// Units of the combine: 32 split lanes x 8 vectors of 4 dimensions.
+/// Units of a combine cube: `lanes` split lanes x `256 / lanes` vectors of 4 dimensions.
 pub const COMBINE_UNITS: u32 = 256;
-/// Output dimensions per combine cube.
-pub const COMBINE_DIMS: u32 = 32;
 /// Most splits a launch may have: 4 per unit in the combine's first pass.
 pub const MAX_SPLITS: usize = 1024;
-/// Splits per lane whose sums are loaded together in the second pass.
+/// Splits per lane whose sums are loaded together.
 const LOADS: usize = 4;
 
+/// Split lanes of a combine over `rows` query rows: 32 (cubes of 32 dimensions) while the
+/// launch stays within a few cubes per SM, else 8 (cubes of 128 dimensions), so a batch's
+/// rows still fit in one wave and each unit loads its splits in one round.
+pub fn combine_lanes(rows: usize) -> u32 {
+    if rows <= 64 {
+        32
+    } else {
+        8
+    }
+}
+
 /// Merges the splits of one query row: `out = sum_s e^{m_s - M} O_s / sum_s e^{m_s - M} l_s`
-/// over the splits that saw any position (`l_s > 0`). A cube per (row, 32 dimensions).
+/// over the splits that saw any position (`l_s > 0`). A cube per (row, `1024 / lanes`
+/// dimensions).
 ///
 /// Every load is independent of the ones before, so each unit has several in flight (a
 /// loop that folds each split into running values before loading the next waits one L2
-/// round trip per split): first the units read all splits' `(m, l)`, 4 each, and leave the
-/// weights `e^{m_s - M}` in shared memory; then unit `u` takes the 4 dimensions `u % 8`
-/// of splits `s = u / 8 (mod 32)`, [`LOADS`] splits' vectors per round.
+/// round trip per split): unit `u` loads the 4 dimensions `u % (256 / lanes)` of
+/// [`LOADS`] of its splits `s = u / (256 / lanes) (mod lanes)` first, then all units read
+/// the splits' `(m, l)`, 4 each, and leave the weights `e^{m_s - M}` in shared memory;
+/// then each round adds the loaded sums while the next round's are loaded.
 #[cube(launch_unchecked)]
 pub fn combine_kernel(
     part_out: &Array<Vector<f32, Const<4>>>,
@@ -29,19 +40,35 @@ pub fn combine_kernel(
     out: &mut Array<Vector<f32, Const<4>>>,
     total_rows: u32,
     splits: u32,
+    #[comptime] lanes: u32,
 ) {
     let row = CUBE_POS_X as usize;
     let block = CUBE_POS_Y as usize;
     let unit = UNIT_POS_X as usize;
     let units = comptime!(COMBINE_UNITS as usize);
+    let lanes = comptime!(lanes as usize);
+    let vecs = comptime!(units / lanes);
     let total = total_rows as usize;
     let n = splits as usize;
     let mut weights = SharedMemory::<f32>::new(MAX_SPLITS);
     let mut warp_maxes = SharedMemory::<f32>::new(8usize);
     let mut warp_dens = SharedMemory::<f32>::new(8usize);
-    let mut sums = SharedMemory::<Vector<f32, Const<4>>>::new(256usize);
+    let mut sums = SharedMemory::<Vector<f32, Const<4>>>::new(units);
 
-    // 1. Every split's (max, sum), 4 per unit, then the row's max `M` and denominator.
+    // 1. The first round of this unit's sums in flight.
+    let lane = unit / vecs;
+    let vec = block * vecs + unit % vecs;
+    let mut v = Array::<Vector<f32, Const<4>>>::new(LOADS);
+    #[unroll]
+    for k in 0..LOADS {
+        let s = lane + k * lanes;
+        v[k] = Vector::new(0.0);
+        if s < n {
+            v[k] = part_out[(s * total + row) * 128 + vec];
+        }
+    }
+
+    // 2. Every split's (max, sum), 4 per unit, then the row's max `M` and denominator.
     let mut ms = Array::<f32>::new(4usize);
     let mut ls = Array::<f32>::new(4usize);
     let mut local = f32::new(NEG_BIG);
@@ -83,41 +110,42 @@ pub fn combine_kernel(
     }
     sync_cube();
 
-    // 2. This unit's splits, LOADS at a time: loads first, then the weighted adds.
-    let lane = unit / 8;
-    let vec = block * 8 + unit % 8;
+    // 3. Rounds of LOADS splits: the next round's loads go out before this one's adds.
     let mut num = Vector::<f32, Const<4>>::new(0.0);
-    for s0 in range_stepped(lane, n, comptime!(32 * LOADS)) {
-        let mut v = Array::<Vector<f32, Const<4>>>::new(LOADS);
+    for s0 in range_stepped(lane, n, comptime!(lanes * LOADS)) {
+        let mut next = Array::<Vector<f32, Const<4>>>::new(LOADS);
         #[unroll]
         for k in 0..LOADS {
-            let s = s0 + k * 32;
-            v[k] = Vector::new(0.0);
+            let s = s0 + (LOADS + k) * lanes;
+            next[k] = Vector::new(0.0);
             if s < n {
-                v[k] = part_out[(s * total + row) * 128 + vec];
+                next[k] = part_out[(s * total + row) * 128 + vec];
             }
         }
         #[unroll]
         for k in 0..LOADS {
-            let s = s0 + k * 32;
+            let s = s0 + k * lanes;
             if s < n {
                 num += Vector::new(weights[s]) * v[k];
             }
+            v[k] = next[k];
         }
     }
 
-    // 3. The 32 lanes' sums: 4 at a time by 64 units, then 8 by the first 8.
+    // 4. The lanes' sums (32 lanes: 4 at a time by 64 units first).
     sums[unit] = num;
     sync_cube();
-    if unit < 64 {
-        sums[unit] = sums[unit] + sums[unit + 64] + sums[unit + 128] + sums[unit + 192];
+    if comptime!(lanes > 8) {
+        if unit < 64 {
+            sums[unit] = sums[unit] + sums[unit + 64] + sums[unit + 128] + sums[unit + 192];
+        }
+        sync_cube();
     }
-    sync_cube();
-    if unit < 8 {
+    if unit < vecs {
         let mut acc = sums[unit];
         #[unroll]
-        for j in 1..8usize {
-            acc += sums[unit + j * 8];
+        for j in 1..comptime!(if lanes < 8 { lanes } else { 8 }) {
+            acc += sums[unit + j * vecs];
         }
         let mut total_den = 0.0f32;
         #[unroll]

@@ -129,6 +129,50 @@ pub fn mma_attention_kernel(
         let mut ps = SharedMemory::<bf16>::new_aligned(16 * P_STRIDE, 16usize);
         let mut alpha_s = SharedMemory::<f32>::new(16usize);
 
+        // Rows are copied with cp.async ahead of their use: bf16 rows straight into a ring
+        // of half-chunk slots, a chunk and a half ahead; fp8 rows one chunk ahead into one
+        // staging buffer, decoded into the other operand buffer at the end of the chunk
+        // before, then the next copy starts. Rows are looked up in the block table an
+        // iteration before their copy. The first copies start before the queries load.
+        let bar_a = Barrier::shared(UNITS, unit == 0);
+        let bar_b = Barrier::shared(UNITS, unit == 0);
+        let span = KvSpan::new(
+            c_begin,
+            c_end,
+            b * max_blocks as usize,
+            last_pos,
+            page_size as usize,
+        );
+        let units = comptime!(UNITS as usize);
+        let mut next_row = 0usize;
+        let mut halves = HalfRows::new();
+        if fp8 {
+            next_row = start_chunks(
+                kv_vecs,
+                kv_raw,
+                &mut kvs,
+                &mut staging,
+                &bar_a,
+                block_table,
+                &span,
+                unit,
+                units,
+                cfg.format,
+            );
+        } else {
+            start_bf16_ring(
+                kv_vecs,
+                &mut kvs,
+                &bar_a,
+                &bar_b,
+                block_table,
+                &span,
+                &mut halves,
+                unit,
+                units,
+            );
+        }
+
         // This warp's query fragments (A, 16 rows x 16 dims per k-step), from global memory.
         let mut qa = Array::<Frag>::new(comptime!(K_STEPS * 4));
         #[unroll]
@@ -173,50 +217,6 @@ pub fn mma_attention_kernel(
         let row_pos = kv_len - q_len + (row0 + srow) / heads;
         let mut m_run = f32::new(NEG_BIG);
         let mut l_run = 0.0f32;
-
-        // Rows are copied with cp.async ahead of their use: bf16 rows straight into a ring
-        // of half-chunk slots, a chunk and a half ahead; fp8 rows one chunk ahead into one
-        // staging buffer, decoded into the other operand buffer at the end of the chunk
-        // before, then the next copy starts. Rows are looked up in the block table an
-        // iteration before their copy.
-        let bar_a = Barrier::shared(UNITS, unit == 0);
-        let bar_b = Barrier::shared(UNITS, unit == 0);
-        let span = KvSpan::new(
-            c_begin,
-            c_end,
-            b * max_blocks as usize,
-            last_pos,
-            page_size as usize,
-        );
-        let units = comptime!(UNITS as usize);
-        let mut next_row = 0usize;
-        let mut halves = HalfRows::new();
-        if fp8 {
-            next_row = start_chunks(
-                kv_vecs,
-                kv_raw,
-                &mut kvs,
-                &mut staging,
-                &bar_a,
-                block_table,
-                &span,
-                unit,
-                units,
-                cfg.format,
-            );
-        } else {
-            start_bf16_ring(
-                kv_vecs,
-                &mut kvs,
-                &bar_a,
-                &bar_b,
-                block_table,
-                &span,
-                &mut halves,
-                unit,
-                units,
-            );
-        }
         for c in c_begin..c_end {
             // 1. The chunk's KV rows in shared memory as bf16. Positions past the last are
             // read from the last row (finite values, weighted 0 below).

@@ -267,15 +267,18 @@ fn launch_mma<R: Runtime>(
             launch_attention!(mma::mma_attention_kernel::launch_unchecked::<R>, mma::UNITS);
         }
         if splits > 1 {
+            let lanes = combine::combine_lanes(total_rows);
+            let dims = 4 * combine::COMBINE_UNITS / lanes;
             combine::combine_kernel::launch_unchecked::<R>(
                 client,
-                CubeCount::Static(total_rows as u32, V_DIM as u32 / combine::COMBINE_DIMS, 1),
+                CubeCount::Static(total_rows as u32, V_DIM as u32 / dims, 1),
                 CubeDim::new_1d(combine::COMBINE_UNITS),
                 part_out.arg(),
                 part_ml.arg(),
                 out.arg(),
                 total_rows as u32,
                 splits as u32,
+                lanes,
             );
         }
     }

@@ -106,6 +106,35 @@ pub fn wide_attention_kernel(
         let mut ps = SharedMemory::<Vec8>::new_aligned(64 * P_STRIDE, 16usize);
         let mut alpha_s = SharedMemory::<f32>::new(64usize);
 
+        // Rows are copied with cp.async one chunk ahead. bf16: each unit's cache row looked
+        // up a chunk before its copy; waiting for a chunk is also the barrier after the
+        // previous chunk's last reads, so the copy into the other buffer starts after it.
+        // fp8: rows go to one staging buffer, decoded at the end of the chunk before into the
+        // other operand buffer (the wait for them is that chunk's barrier), then the copy of
+        // the chunk after starts. The first copies start before the queries load.
+        let bar_a = Barrier::shared(UNITS, unit == 0);
+        let bar_b = Barrier::shared(UNITS, unit == 0);
+        let span = KvSpan::new(
+            c_begin,
+            c_end,
+            b * max_blocks as usize,
+            last_pos,
+            page_size as usize,
+        );
+        let units = comptime!(UNITS as usize);
+        let mut next_row = start_chunks(
+            kv_vecs,
+            kv_raw,
+            &mut kvs,
+            &mut staging,
+            &bar_a,
+            block_table,
+            &span,
+            unit,
+            units,
+            cfg.format,
+        );
+
         // The cube's queries as bf16 (rows past the last are zero).
         #[unroll]
         for i in 0..comptime!(64 * ROW_VECS / 256) {
@@ -138,6 +167,8 @@ pub fn wide_attention_kernel(
             }
             qs[r * Q_STRIDE + v] = vec;
         }
+        // Every warp reads every query row (fp8 has no wait before its first chunk).
+        sync_cube();
 
         // Output accumulators: 4 row tiles x 8 n-tiles x (rows g, g + 8).
         let mut acc = Array::<Acc>::new(64usize);
@@ -155,35 +186,6 @@ pub fn wide_attention_kernel(
         // The score work of this warp: row tiles 2 rh, 2 rh + 1; dimension quarter kq.
         let rh = warp / 4;
         let kq = warp % 4;
-
-        // Rows are copied with cp.async one chunk ahead. bf16: each unit's cache row looked
-        // up a chunk before its copy; waiting for a chunk is also the barrier after the
-        // previous chunk's last reads, so the copy into the other buffer starts after it.
-        // fp8: rows go to one staging buffer, decoded at the end of the chunk before into the
-        // other operand buffer (the wait for them is that chunk's barrier), then the copy of
-        // the chunk after starts.
-        let bar_a = Barrier::shared(UNITS, unit == 0);
-        let bar_b = Barrier::shared(UNITS, unit == 0);
-        let span = KvSpan::new(
-            c_begin,
-            c_end,
-            b * max_blocks as usize,
-            last_pos,
-            page_size as usize,
-        );
-        let units = comptime!(UNITS as usize);
-        let mut next_row = start_chunks(
-            kv_vecs,
-            kv_raw,
-            &mut kvs,
-            &mut staging,
-            &bar_a,
-            block_table,
-            &span,
-            unit,
-            units,
-            cfg.format,
-        );
         for c in c_begin..c_end {
             // 1. This chunk's rows in shared memory, then the next chunk's copy.
             let buf = (c - c_begin) % 2;
