@@ -188,9 +188,9 @@ pub(super) fn next_bf16_halves(
 }
 
 /// Starts a split's pipeline with `units` units: chunk `span.begin`'s rows in flight on
-/// `bar` (bf16: into operand buffer 0; fp8: into staging, then, by [`next_fp8_chunk`],
-/// decoded into buffer 0 with the copy of the chunk after in flight). Returns this unit's
-/// cache row of the next chunk to copy.
+/// `bar` (bf16: into operand buffer 0; fp8: into staging, for [`next_fp8_chunk`] to decode
+/// into buffer 0 once the kernel has loaded its queries). Returns this unit's cache row of
+/// the next chunk to copy.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn start_chunks(
@@ -214,21 +214,6 @@ pub(super) fn start_chunks(
         }
         bar.commit_copy_async();
         row = span.row(block_table, span.begin + 1, unit, units);
-        if comptime!(format == KvFormat::Fp8) {
-            row = next_fp8_chunk(
-                kv_raw,
-                kvs,
-                staging,
-                bar,
-                block_table,
-                span,
-                span.begin,
-                0,
-                row,
-                unit,
-                units,
-            );
-        }
     }
     row
 }

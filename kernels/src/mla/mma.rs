@@ -205,6 +205,22 @@ pub fn mma_attention_kernel(
             }
         }
 
+        if fp8 {
+            // The first fp8 chunk, in flight since before the queries, into buffer 0.
+            next_row = next_fp8_chunk(
+                kv_raw,
+                &mut kvs,
+                &mut staging,
+                &bar_a,
+                block_table,
+                &span,
+                c_begin,
+                0,
+                next_row,
+                unit,
+                units,
+            );
+        }
         let mut acc = Array::<Acc>::new(comptime!(N_TILES * 2));
         #[unroll]
         for i in 0usize..N_TILES * 2 {

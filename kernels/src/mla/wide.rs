@@ -167,8 +167,22 @@ pub fn wide_attention_kernel(
             }
             qs[r * Q_STRIDE + v] = vec;
         }
-        // Every warp reads every query row (fp8 has no wait before its first chunk).
-        sync_cube();
+        if fp8 {
+            // The first fp8 chunk, in flight since before the queries, into buffer 0.
+            next_row = next_fp8_chunk(
+                kv_raw,
+                &mut kvs,
+                &mut staging,
+                &bar_a,
+                block_table,
+                &span,
+                c_begin,
+                0,
+                next_row,
+                unit,
+                units,
+            );
+        }
 
         // Output accumulators: 4 row tiles x 8 n-tiles x (rows g, g + 8).
         let mut acc = Array::<Acc>::new(64usize);
