@@ -108,10 +108,12 @@ fn kimi_shapes<R: Runtime>(client: &ComputeClient<R>) {
 }
 
 /// One long context through the tensor-core kernel's split machinery (on an H200: 264
-/// splits of 4 chunks, so every pass of the combine and the KV ring's wrap). Where the
-/// portable kernel runs instead it is skipped: on wgpu's software Vulkan driver that kernel
-/// returns some wrong elements at 16 heads from ~8.5k positions, which CUDA does not
-/// reproduce with the same kernel (F32 KV) and case.
+/// splits of 4 chunks, so every pass of the combine and the KV ring's wrap). Skipped where
+/// the portable kernel runs instead: one cube walks the whole context there, ~700 loop
+/// iterations per 64-position chunk, and llvmpipe (CI's software Vulkan driver) ends every
+/// loop of a shader invocation once their iterations together pass 65,535
+/// (`LP_MAX_TGSI_LOOP_ITERATIONS` in Mesa's gallivm), so positions past ~5,000 go unread
+/// there. The same kernel on CUDA (f32 KV) reads them all.
 fn long_context_splits<R: Runtime>(client: &ComputeClient<R>) {
     if !uses_tensor_cores(client, KvFormat::Bf16, Precision::Bf16) {
         return;
