@@ -21,6 +21,10 @@ pub struct MlaConfig {
 
 /// Stands for minus infinity: WGSL has no infinite literals.
 const NEG_BIG: f32 = -3.0e38;
+/// Iterations of the per-chunk loops written out per loop trip: few trips per chunk, as
+/// some drivers cap the loop trips of a whole invocation (llvmpipe: 65,535 across all
+/// loops, which at one trip per dimension ended a 16-head decode near 5,000 positions).
+const UNROLL: usize = 16;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -91,11 +95,15 @@ pub fn mla_kernel(
             }
             if j <= last_pos {
                 let row = kv_row(block_table, table, j, page_size as usize);
-                for d in 0..576usize {
-                    let k = kv_value(kv, row, d, cfg.format);
+                for d0 in 0..comptime!(576 / UNROLL) {
                     #[unroll]
-                    for i in 0..tile {
-                        scores[i] += qs[i * 576 + d] * k;
+                    for dk in 0..UNROLL {
+                        let d = d0 * UNROLL + dk;
+                        let k = kv_value(kv, row, d, cfg.format);
+                        #[unroll]
+                        for i in 0..tile {
+                            scores[i] += qs[i * 576 + d] * k;
+                        }
                     }
                 }
             }
@@ -111,8 +119,11 @@ pub fn mla_kernel(
             #[unroll]
             for i in 0..tile {
                 let mut m = run_max[i];
-                for t in 0..chunk {
-                    m = max(m, ps[i * chunk + t]);
+                for t0 in range_stepped(0, chunk, UNROLL) {
+                    #[unroll]
+                    for tk in 0..UNROLL {
+                        m = max(m, ps[i * chunk + t0 + tk]);
+                    }
                 }
                 scale_old[i] = (run_max[i] - m).exp();
                 run_max[i] = m;
@@ -137,19 +148,25 @@ pub fn mla_kernel(
                 }
             }
             let rows_here = min(chunk, last_pos + 1 - c * chunk);
-            for t in 0..rows_here {
-                let row = kv_row(block_table, table, c * chunk + t, page_size as usize);
+            for t0 in range_stepped(0, rows_here, UNROLL) {
                 #[unroll]
-                for dd in 0..dims_per_unit {
-                    let v = kv_value(kv, row, unit + dd * chunk, cfg.format);
-                    #[unroll]
-                    for i in 0..tile {
-                        acc[i * dims_per_unit + dd] += ps[i * chunk + t] * v;
+                for tk in 0..UNROLL {
+                    let t = t0 + tk;
+                    if t < rows_here {
+                        let row = kv_row(block_table, table, c * chunk + t, page_size as usize);
+                        #[unroll]
+                        for dd in 0..dims_per_unit {
+                            let v = kv_value(kv, row, unit + dd * chunk, cfg.format);
+                            #[unroll]
+                            for i in 0..tile {
+                                acc[i * dims_per_unit + dd] += ps[i * chunk + t] * v;
+                            }
+                        }
+                        #[unroll]
+                        for i in 0..tile {
+                            run_sum[i] += ps[i * chunk + t];
+                        }
                     }
-                }
-                #[unroll]
-                for i in 0..tile {
-                    run_sum[i] += ps[i * chunk + t];
                 }
             }
             sync_cube();

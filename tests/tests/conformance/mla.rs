@@ -4,8 +4,8 @@
 use cubecl::prelude::*;
 use kiln_conformance::mla::{run_mla, AttnMode, MlaCase};
 use kiln_kernels::mla::{
-    absorb_query, absorbs_on_tensor_cores, mla_decode, mla_prefill, project_values,
-    uses_tensor_cores, write_kv, AttnMetadata, KvBShape, KvFormat, PagedKvCache,
+    absorb_query, absorbs_on_tensor_cores, mla_decode, mla_prefill, project_values, write_kv,
+    AttnMetadata, KvBShape, KvFormat, PagedKvCache,
 };
 use kiln_kernels::Precision;
 use kiln_kernels::{DeviceArray, KernelError};
@@ -107,17 +107,11 @@ fn kimi_shapes<R: Runtime>(client: &ComputeClient<R>) {
     }
 }
 
-/// One long context through the tensor-core kernel's split machinery (on an H200: 264
-/// splits of 4 chunks, so every pass of the combine and the KV ring's wrap). Skipped where
-/// the portable kernel runs instead: one cube walks the whole context there, ~700 loop
-/// iterations per 64-position chunk, and llvmpipe (CI's software Vulkan driver) ends every
-/// loop of a shader invocation once their iterations together pass 65,535
-/// (`LP_MAX_TGSI_LOOP_ITERATIONS` in Mesa's gallivm), so positions past ~5,000 go unread
-/// there. The same kernel on CUDA (f32 KV) reads them all.
+/// One long context: on CUDA the tensor-core kernel's split machinery (on an H200: 264
+/// splits of 4 chunks, so every pass of the combine and the KV ring's wrap); on wgpu one
+/// cube walking all 33,000 positions, past where llvmpipe's cap on loop trips (65,535 per
+/// invocation) used to end the portable kernel's loops (~5,000 positions).
 fn long_context_splits<R: Runtime>(client: &ComputeClient<R>) {
-    if !uses_tensor_cores(client, KvFormat::Bf16, Precision::Bf16) {
-        return;
-    }
     let case = MlaCase {
         heads: 16,
         page_size: 64,
