@@ -1,10 +1,11 @@
 //! The KV side of both tensor-core attention kernels (`mma.rs`, `wide.rs`): a split's KV
-//! chunks (32 positions) move into shared memory by cp.async one chunk ahead of their use,
-//! each unit copying one row per chunk, looked up in the block table a chunk before its
-//! copy. bf16 rows go straight into one of two operand buffers; fp8 rows (FlashMLA's
-//! 656 bytes: 512 E4M3 codes, 4 power-of-two f32 scales, 64 bf16 rope values) go to one
-//! staging buffer and are decoded exactly into the other operand buffer at the end of the
-//! chunk before, after which an fp8 chunk is a bf16 one.
+//! chunks (32 positions) move into shared memory by cp.async ahead of their use, each
+//! unit's rows looked up in the block table an iteration before their copy. bf16 rows go
+//! straight into operand buffers: two chunk buffers one chunk ahead (64-row cube), or a
+//! ring of half-chunk slots a chunk and a half ahead (16-row kernel). fp8 rows (FlashMLA's
+//! 656 bytes: 512 E4M3 codes, 4 power-of-two f32 scales, 64 bf16 rope values) go one chunk
+//! ahead to one staging buffer and are decoded exactly into the other operand buffer at
+//! the end of the chunk before, after which an fp8 chunk is a bf16 one.
 use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 use half::bf16;
