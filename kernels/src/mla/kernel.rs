@@ -25,6 +25,8 @@ const NEG_BIG: f32 = -3.0e38;
 /// some drivers cap the loop trips of a whole invocation (llvmpipe: 65,535 across all
 /// loops, which at one trip per dimension ended a 16-head decode near 5,000 positions).
 const UNROLL: usize = 16;
+// The chunk's maximum reads whole trips of UNROLL scores.
+const _: () = assert!((super::CHUNK as usize).is_multiple_of(UNROLL));
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
