@@ -1,5 +1,9 @@
-//! Appending new tokens' compressed KV rows (`[tokens, 576]` f32: normalised latent + roped
-//! k_pe) to the paged cache, in the cache's storage format.
+//! Appending new tokens' compressed KV rows to the paged cache, in the cache's storage
+//! format: [`write_kv`] takes finished rows (`[tokens, 576]` f32: normalised latent + roped
+//! k_pe); [`write_kv_normed`] takes the `kv_a` projection's rows as they are and does the
+//! latent's RMSNorm and the rope part's rotation on the way (one launch where the rotation,
+//! the norm and the write took three; oracles `kiln_reference::norm::rmsnorm` and
+//! `kiln_reference::rope::apply_interleaved`).
 //! - f32: copied as is;
 //! - bf16: round to nearest even, two values per word; bit-exact with
 //!   `kiln_reference::formats::bf16_encode`.
@@ -10,8 +14,10 @@
 //!   backend (no division).
 use cubecl::prelude::*;
 
-use super::{KvFormat, PagedKvCache, KV_DIM};
+use super::{KvFormat, PagedKvCache, KV_DIM, V_DIM};
 use crate::buffer::{check_index_space, check_len};
+use crate::reduce::cube_sum;
+use crate::rope::rotate_pair;
 use crate::{DeviceArray, KernelError};
 
 /// f32 -> bf16 bits, round to nearest even (inputs are finite).
@@ -45,77 +51,129 @@ fn scale_field(amax: f32) -> u32 {
     select(amax == 0.0, 127u32, max((bits >> 23) + up, 9u32) - 8)
 }
 
-#[cube(launch_unchecked)]
-fn write_f32_kernel(kv: &Array<f32>, slots: &Array<u32>, cache: &mut Array<u32>) {
-    let t = CUBE_POS_X as usize;
-    let base = slots[t] as usize * 576;
-    for d in range_stepped(UNIT_POS_X as usize, 576, 128) {
-        cache[base + d] = u32::reinterpret(kv[t * 576 + d]);
-    }
+/// Units of a write cube: unit `u` holds latent values `4u..4u + 4` and, below 32, rope pair
+/// `u` (values `512 + 2u`, `513 + 2u`); a warp's 128 latent values are one fp8 tile.
+const UNITS: usize = 128;
+
+/// Compile-time shape of a cache write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct WriteConfig {
+    format: KvFormat,
+    /// Normalise the latent and rotate the rope part first ([`write_kv_normed`]).
+    normed: bool,
 }
 
+/// One cube per token: row `t` of `kv` into cache row `slots[t]`, normalised and rotated
+/// first when `cfg.normed` (else `norm`, `positions` and `inv_freq` are not read).
 #[cube(launch_unchecked)]
-fn write_bf16_kernel(kv: &Array<f32>, slots: &Array<u32>, cache: &mut Array<u32>) {
+#[allow(clippy::too_many_arguments)]
+fn write_rows_kernel(
+    kv: &Array<f32>,
+    slots: &Array<u32>,
+    cache: &mut Array<u32>,
+    norm: &Array<f32>,
+    positions: &Array<u32>,
+    inv_freq: &Array<f32>,
+    eps: f32,
+    rope_scale: f32,
+    #[comptime] cfg: WriteConfig,
+) {
     let t = CUBE_POS_X as usize;
-    let base = slots[t] as usize * 288;
-    for w in range_stepped(UNIT_POS_X as usize, 288, 128) {
-        let lo = bf16_bits(kv[t * 576 + 2 * w]);
-        let hi = bf16_bits(kv[t * 576 + 2 * w + 1]);
-        cache[base + w] = lo | (hi << 16);
-    }
-}
-
-#[cube(launch_unchecked)]
-fn write_fp8_kernel(kv: &Array<f32>, slots: &Array<u32>, cache: &mut Array<u32>) {
-    let t = CUBE_POS_X as usize;
-    let unit = UNIT_POS_X as usize; // 128 units: word `unit` holds latent 4*unit..4*unit+4
+    let unit = UNIT_POS_X as usize;
     let row = t * 576;
-    let base = slots[t] as usize * 164;
-    let mut amax = SharedMemory::<f32>::new(128usize);
-    let mut local = 0.0f32;
+    let slot = slots[t] as usize;
+    let mut x = Array::<f32>::new(4usize);
     #[unroll]
     for j in 0..4usize {
-        local = max(local, kv[row + 4 * unit + j].abs());
+        x[j] = kv[row + 4 * unit + j];
     }
-    amax[unit] = local;
-    sync_cube();
-    // Tile = 32 consecutive units; reduce within each tile.
-    for level in 0..5u32 {
-        let stride = 16usize >> level as usize;
-        if unit % 32 < stride {
-            amax[unit] = max(amax[unit], amax[unit + stride]);
+    let rope_unit = unit < 32;
+    let mut r0 = 0.0f32;
+    let mut r1 = 0.0f32;
+    if rope_unit {
+        r0 = kv[row + 512 + 2 * unit];
+        r1 = kv[row + 513 + 2 * unit];
+    }
+    let mut partials = SharedMemory::<f32>::new(UNITS);
+    if comptime!(cfg.normed) {
+        let mut sum = 0.0f32;
+        #[unroll]
+        for j in 0..4usize {
+            sum += x[j] * x[j];
         }
+        let total = cube_sum(sum, &mut partials, unit, comptime!(UNITS as u32));
+        let inv = 1.0 / (total / f32::cast_from(V_DIM as u32) + eps).sqrt();
+        #[unroll]
+        for j in 0..4usize {
+            x[j] = x[j] * inv * norm[4 * unit + j];
+        }
+        if rope_unit {
+            let rotated = rotate_pair(r0, r1, positions[t], inv_freq[unit], rope_scale);
+            r0 = rotated[0];
+            r1 = rotated[1];
+        }
+    }
+    if comptime!(cfg.format == KvFormat::F32) {
+        let base = slot * 576;
+        #[unroll]
+        for j in 0..4usize {
+            cache[base + 4 * unit + j] = u32::reinterpret(x[j]);
+        }
+        if rope_unit {
+            cache[base + 512 + 2 * unit] = u32::reinterpret(r0);
+            cache[base + 513 + 2 * unit] = u32::reinterpret(r1);
+        }
+    } else if comptime!(cfg.format == KvFormat::Bf16) {
+        let base = slot * 288;
+        cache[base + 2 * unit] = bf16_bits(x[0]) | (bf16_bits(x[1]) << 16);
+        cache[base + 2 * unit + 1] = bf16_bits(x[2]) | (bf16_bits(x[3]) << 16);
+        if rope_unit {
+            cache[base + 256 + unit] = bf16_bits(r0) | (bf16_bits(r1) << 16);
+        }
+    } else {
+        // The tile's amax over its 32 units (a tree in shared memory: no subgroups).
+        let base = slot * 164;
+        let mut local = 0.0f32;
+        #[unroll]
+        for j in 0..4usize {
+            local = max(local, x[j].abs());
+        }
+        partials[unit] = local;
         sync_cube();
-    }
-    let field = scale_field(amax[unit / 32 * 32]);
-    // 2^-k: exact, so `x * inverse` rounds like the reference's `x / scale`.
-    let inverse = f32::reinterpret((254 - field) << 23);
-    let mut word = 0u32;
-    #[unroll]
-    for j in 0..4usize {
-        let v = kv[row + 4 * unit + j] * inverse;
-        let code = e4m3_magnitude(v.abs()) | ((u32::reinterpret(v) >> 31) << 7);
-        word |= code << (8 * j as u32);
-    }
-    cache[base + unit] = word;
-    if unit % 32 == 0 {
-        cache[base + 128 + unit / 32] = field << 23;
-    }
-    if unit < 32 {
-        let lo = bf16_bits(kv[row + 512 + 2 * unit]);
-        let hi = bf16_bits(kv[row + 512 + 2 * unit + 1]);
-        cache[base + 132 + unit] = lo | (hi << 16);
+        for level in 0..5u32 {
+            let stride = 16usize >> level as usize;
+            if unit % 32 < stride {
+                partials[unit] = max(partials[unit], partials[unit + stride]);
+            }
+            sync_cube();
+        }
+        let field = scale_field(partials[unit / 32 * 32]);
+        // 2^-k: exact, so `x * inverse` rounds like the reference's `x / scale`.
+        let inverse = f32::reinterpret((254 - field) << 23);
+        let mut word = 0u32;
+        #[unroll]
+        for j in 0..4usize {
+            let v = x[j] * inverse;
+            let code = e4m3_magnitude(v.abs()) | ((u32::reinterpret(v) >> 31) << 7);
+            word |= code << (8 * j as u32);
+        }
+        cache[base + unit] = word;
+        if unit % 32 == 0 {
+            cache[base + 128 + unit / 32] = field << 23;
+        }
+        if rope_unit {
+            cache[base + 132 + unit] = bf16_bits(r0) | (bf16_bits(r1) << 16);
+        }
     }
 }
 
-/// Writes row `t` of `kv` (`[tokens, 576]`) into cache row `slots[t]`.
-pub fn write_kv<R: Runtime>(
+/// Checks the rows and the cache, and that one cube per token fits the grid.
+fn validate_write<R: Runtime>(
     client: &ComputeClient<R>,
     kv: &DeviceArray<f32>,
-    slots: &DeviceArray<u32>,
+    tokens: usize,
     cache: &PagedKvCache,
 ) -> Result<(), KernelError> {
-    let tokens = slots.len();
     check_len("KV rows", kv, tokens * KV_DIM)?;
     // The fp8 layout is addressed by byte.
     check_index_space("KV cache bytes", cache.data.len() * 4)?;
@@ -134,38 +192,103 @@ pub fn write_kv<R: Runtime>(
             max,
         });
     }
-    if tokens == 0 {
-        return Ok(());
-    }
-    let count = CubeCount::Static(tokens as u32, 1, 1);
-    // SAFETY: shapes validated; slots are trusted to be cache rows (the scheduler owns them).
-    unsafe {
-        match cache.format {
-            KvFormat::F32 => write_f32_kernel::launch_unchecked::<R>(
-                client,
-                count,
-                CubeDim::new_1d(128),
-                kv.arg(),
-                slots.arg(),
-                cache.data.arg(),
-            ),
-            KvFormat::Bf16 => write_bf16_kernel::launch_unchecked::<R>(
-                client,
-                count,
-                CubeDim::new_1d(128),
-                kv.arg(),
-                slots.arg(),
-                cache.data.arg(),
-            ),
-            KvFormat::Fp8 => write_fp8_kernel::launch_unchecked::<R>(
-                client,
-                count,
-                CubeDim::new_1d(128),
-                kv.arg(),
-                slots.arg(),
-                cache.data.arg(),
-            ),
-        }
-    }
     Ok(())
+}
+
+/// Writes row `t` of `kv` (`[tokens, 576]`, finished rows) into cache row `slots[t]`.
+pub fn write_kv<R: Runtime>(
+    client: &ComputeClient<R>,
+    kv: &DeviceArray<f32>,
+    slots: &DeviceArray<u32>,
+    cache: &PagedKvCache,
+) -> Result<(), KernelError> {
+    let tokens = slots.len();
+    validate_write(client, kv, tokens, cache)?;
+    // SAFETY: validated; the unread normalisation arguments are bound to the rows.
+    unsafe { launch_write(client, kv, slots, cache, kv, slots, kv, 0.0, 0.0, false) };
+    Ok(())
+}
+
+/// How [`write_kv_normed`] finishes a `kv_a` row: the latent's RMSNorm (`norm`: 512
+/// weights, `eps`) and the rope part's rotation at the token's position (`positions`: one
+/// per token; `inv_freq`: 32 f32 frequencies; `rope_scale`: the YaRN cos/sin scale), as
+/// `kiln_kernels::rmsnorm::rmsnorm_prefix` and `kiln_kernels::rope::rope_inplace` do.
+pub struct KvRowPrep<'a> {
+    pub norm: &'a DeviceArray<f32>,
+    pub eps: f32,
+    pub positions: &'a DeviceArray<u32>,
+    pub inv_freq: &'a DeviceArray<f32>,
+    pub rope_scale: f32,
+}
+
+/// Writes row `t` of `kv_a` (`[tokens, 576]` as the `kv_a` projection leaves them) into
+/// cache row `slots[t]` after normalising its latent and rotating its rope part (`prep`).
+pub fn write_kv_normed<R: Runtime>(
+    client: &ComputeClient<R>,
+    kv_a: &DeviceArray<f32>,
+    prep: &KvRowPrep,
+    slots: &DeviceArray<u32>,
+    cache: &PagedKvCache,
+) -> Result<(), KernelError> {
+    let tokens = slots.len();
+    validate_write(client, kv_a, tokens, cache)?;
+    check_len("KV norm weights", prep.norm, V_DIM)?;
+    check_len("positions", prep.positions, tokens)?;
+    check_len("inverse frequencies", prep.inv_freq, (KV_DIM - V_DIM) / 2)?;
+    // SAFETY: validated above.
+    unsafe {
+        launch_write(
+            client,
+            kv_a,
+            slots,
+            cache,
+            prep.norm,
+            prep.positions,
+            prep.inv_freq,
+            prep.eps,
+            prep.rope_scale,
+            true,
+        )
+    };
+    Ok(())
+}
+
+/// # Safety
+/// `kv` holds `slots.len()` rows, the slots are rows of `cache`, and when `normed` the
+/// normalisation arguments have 512 weights, a position per row and 32 frequencies.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_write<R: Runtime>(
+    client: &ComputeClient<R>,
+    kv: &DeviceArray<f32>,
+    slots: &DeviceArray<u32>,
+    cache: &PagedKvCache,
+    norm: &DeviceArray<f32>,
+    positions: &DeviceArray<u32>,
+    inv_freq: &DeviceArray<f32>,
+    eps: f32,
+    rope_scale: f32,
+    normed: bool,
+) {
+    let tokens = slots.len();
+    if tokens == 0 {
+        return;
+    }
+    let cfg = WriteConfig {
+        format: cache.format,
+        normed,
+    };
+    write_rows_kernel::launch_unchecked::<R>(
+        client,
+        CubeCount::Static(tokens as u32, 1, 1),
+        CubeDim::new_1d(UNITS as u32),
+        kv.arg(),
+        slots.arg(),
+        cache.data.arg(),
+        norm.arg(),
+        positions.arg(),
+        inv_freq.arg(),
+        eps,
+        rope_scale,
+        cfg,
+    )
 }

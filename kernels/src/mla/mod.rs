@@ -19,7 +19,8 @@
 //! whole tile; both use an online softmax over chunks of [`CHUNK`] positions.
 //! [`uses_tensor_cores`] says which one runs. The KV storage format (f32, bf16, or FlashMLA's
 //! fp8 layout) is a compile-time parameter. Math oracle: `kiln_reference::mla::mla_attention`.
-//! [`write_kv`] appends new tokens' rows to the cache in either format; [`absorb_query`]
+//! [`write_kv`] appends new tokens' rows to the cache in either format ([`write_kv_normed`]
+//! straight from the `kv_a` projection, normalising and rotating on the way); [`absorb_query`]
 //! and [`project_values`] are the per-head products around the attention.
 mod absorb;
 mod absorb_mma;
@@ -33,7 +34,7 @@ mod wide;
 use cubecl::prelude::*;
 
 pub use absorb::{absorb_query, absorbs_on_tensor_cores, project_values, KvBShape};
-pub use cache_write::write_kv;
+pub use cache_write::{write_kv, write_kv_normed, KvRowPrep};
 
 use crate::buffer::{check_index_space, check_len};
 use crate::{DeviceArray, KernelError, Precision};

@@ -32,14 +32,29 @@ fn rope_kernel(
         let row = idx / pairs;
         let i = idx % pairs;
         let pos = positions[(row / rows_per_token) as usize];
-        let angle = f32::cast_from(pos) * inv_freq[i as usize];
-        let (sin, cos) = (angle.sin(), angle.cos());
         let base = (row * row_stride + offset + 2 * i) as usize;
-        let x0 = x[base];
-        let x1 = x[base + 1];
-        x[base] = (x0 * cos - x1 * sin) * scale;
-        x[base + 1] = (x0 * sin + x1 * cos) * scale;
+        let rotated = rotate_pair(x[base], x[base + 1], pos, inv_freq[i as usize], scale);
+        x[base] = rotated[0];
+        x[base + 1] = rotated[1];
     }
+}
+
+/// Pair `(x0, x1)` at position `pos` rotated by the angle `pos * freq` (f32), both values
+/// multiplied by `scale`.
+#[cube]
+pub(crate) fn rotate_pair(
+    x0: f32,
+    x1: f32,
+    pos: u32,
+    freq: f32,
+    scale: f32,
+) -> Vector<f32, Const<2>> {
+    let angle = f32::cast_from(pos) * freq;
+    let (sin, cos) = (angle.sin(), angle.cos());
+    let mut out = Vector::<f32, Const<2>>::empty();
+    out[0] = (x0 * cos - x1 * sin) * scale;
+    out[1] = (x0 * sin + x1 * cos) * scale;
+    out
 }
 
 /// Where the rope dims sit in `x`: `tokens * rows_per_token` rows of `row_stride` values,

@@ -5,16 +5,18 @@ use cubecl::prelude::*;
 use kiln_conformance::mla::{run_mla, AttnMode, MlaCase};
 use kiln_kernels::mla::{
     absorb_query, absorbs_on_tensor_cores, mla_decode, mla_prefill, project_values, write_kv,
-    AttnMetadata, KvBShape, KvFormat, PagedKvCache,
+    write_kv_normed, AttnMetadata, KvBShape, KvFormat, KvRowPrep, PagedKvCache,
 };
 use kiln_kernels::Precision;
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::absorb::{self, KvB};
 use kiln_reference::data::{normal_with_outliers, Rng};
-use kiln_reference::formats::bf16_encode;
+use kiln_reference::formats::{bf16_decode, bf16_encode};
 use kiln_reference::formats::{bf16_round, pack_u16_words};
-use kiln_reference::mla::fp8_row_encode;
-use kiln_reference::tolerance::{compare, DType, Tolerance};
+use kiln_reference::mla::{fp8_row_decode, fp8_row_encode, fp8_tile_scale};
+use kiln_reference::norm;
+use kiln_reference::rope::{apply_interleaved, cos_sin_scale, inv_freq, YarnConfig};
+use kiln_reference::tolerance::{compare, rope_allowed, DType, Tolerance};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -271,6 +273,128 @@ fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
         .unwrap();
 }
 
+/// Rows straight from the `kv_a` projection: the cache holds the reference's RMSNorm of the
+/// latent and rotation of the rope part (Kimi's YaRN, positions up to 200k), within the f32
+/// chain's bound plus the storage format's rounding (fp8: at up to twice the reference's
+/// tile scale, as a tile whose amax sits on a scale boundary may round either way); other
+/// rows keep their contents.
+fn normed_cache_writes<R: Runtime>(client: &ComputeClient<R>) {
+    let mut runner = TestRunner::new(Config {
+        cases: 16,
+        ..Config::default()
+    });
+    let strategy = (1usize..=9, 1usize..=3, formats(), any::<u64>());
+    runner
+        .run(&strategy, |(tokens, spare, format, seed)| {
+            let mut rng = Rng::new(seed);
+            let rows = tokens + spare;
+            let words = format.words_per_row();
+            let mut order: Vec<u32> = (0..rows as u32).collect();
+            rng.shuffle(&mut order);
+            let slots = &order[..tokens];
+            let mut kv_a = normal_with_outliers(&mut rng, tokens * 576, 1.0);
+            kv_a[128..256].iter_mut().for_each(|v| *v *= 1e3); // one tile far above the rest
+            let norm = normal_with_outliers(&mut rng, 512, 1.0);
+            let positions: Vec<u32> = (0..tokens).map(|_| rng.below(200_000) as u32).collect();
+            let cfg = YarnConfig::kimi_k2();
+            let freqs: Vec<f32> = inv_freq(64, &cfg).iter().map(|&f| f as f32).collect();
+            let rope_scale = cos_sin_scale(&cfg);
+            let eps = 1e-6;
+            let sentinel = 0xdead_beefu32;
+            let cache = PagedKvCache {
+                data: DeviceArray::filled(client, rows * words, sentinel),
+                format,
+                page_size: 1,
+                num_pages: rows,
+            };
+            let (norm_dev, pos_dev) = (
+                DeviceArray::upload(client, &norm),
+                DeviceArray::upload(client, &positions),
+            );
+            let freqs_dev = DeviceArray::upload(client, &freqs);
+            let prep = KvRowPrep {
+                norm: &norm_dev,
+                eps,
+                positions: &pos_dev,
+                inv_freq: &freqs_dev,
+                rope_scale: rope_scale as f32,
+            };
+            write_kv_normed(
+                client,
+                &DeviceArray::upload(client, &kv_a),
+                &prep,
+                &DeviceArray::upload(client, slots),
+                &cache,
+            )
+            .unwrap();
+            let data = cache.data.read(client);
+            let chain = Tolerance::dot(512 + 4, DType::F32, DType::F32);
+            let (mut got, mut want, mut allowed) = (Vec::new(), Vec::new(), Vec::new());
+            for (t, &slot) in slots.iter().enumerate() {
+                let row = &data[slot as usize * words..(slot as usize + 1) * words];
+                let x = &kv_a[t * 576..(t + 1) * 576];
+                let latent = norm::rmsnorm(&x[..512], &norm, eps);
+                let pos = positions[t] as usize;
+                let rope = apply_interleaved(&x[512..], &[pos], 64, &cfg);
+                let stored: Vec<f32> = match format {
+                    KvFormat::F32 => row.iter().map(|&w| f32::from_bits(w)).collect(),
+                    KvFormat::Bf16 => row
+                        .iter()
+                        .flat_map(|&w| [bf16_decode(w as u16), bf16_decode((w >> 16) as u16)])
+                        .collect(),
+                    KvFormat::Fp8 => {
+                        let bytes: Vec<u8> = row.iter().flat_map(|w| w.to_le_bytes()).collect();
+                        fp8_row_decode(&bytes).to_vec()
+                    }
+                };
+                // (unit roundoff, absolute floor) of the stored latent and rope values.
+                let (latent_out, rope_out) = match format {
+                    KvFormat::F32 => ((0.0, 0.0), (0.0, 0.0)),
+                    KvFormat::Bf16 => (bf16_rounding(), bf16_rounding()),
+                    // fp8's floor is per tile, below.
+                    KvFormat::Fp8 => ((DType::E4M3.unit_roundoff(), 0.0), bf16_rounding()),
+                };
+                for (i, &e) in latent.iter().enumerate() {
+                    let err = chain.allowed(e, e.abs());
+                    let mut floor = latent_out.1;
+                    if format == KvFormat::Fp8 {
+                        let tile = &latent[i / 128 * 128..(i / 128 + 1) * 128];
+                        let amax = tile.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                        // Half a subnormal step (2^-9 of the scale) at twice the scale.
+                        floor = fp8_tile_scale(amax as f32) as f64 * 2f64.powi(-9);
+                    }
+                    got.push(stored[i]);
+                    want.push(e);
+                    allowed.push(err + latent_out.0 * (e.abs() + err) + floor);
+                }
+                for (i, &e) in rope.iter().enumerate() {
+                    let pair = i / 2 * 2;
+                    let mag = (x[512 + pair].abs() + x[512 + pair + 1].abs()) as f64;
+                    let err = rope_allowed(pos, mag, rope_scale, e, DType::F32, DType::F32);
+                    got.push(stored[512 + i]);
+                    want.push(e);
+                    allowed.push(err + rope_out.0 * (e.abs() + err) + rope_out.1);
+                }
+            }
+            let cmp = compare(&got, &want, &allowed);
+            prop_assert!(cmp.passed(), "{format:?}: {cmp}");
+            for &slot in &order[tokens..] {
+                let row = &data[slot as usize * words..(slot as usize + 1) * words];
+                prop_assert!(
+                    row.iter().all(|&w| w == sentinel),
+                    "row {slot} was overwritten"
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// bf16 storage: half a unit in the last place, and the smallest normal as the floor.
+fn bf16_rounding() -> (f64, f64) {
+    (DType::BF16.unit_roundoff(), DType::BF16.smallest_normal())
+}
+
 /// Absorbed queries and value projections against the reference at both precisions, Kimi's
 /// nope/v = 128, odd small splits, and splits the tensor-core path takes with a partial K
 /// step (nope 48) and two column tiles of values (v 136); more than 64 tokens cross a token
@@ -348,6 +472,7 @@ fn absorption<R: Runtime>(client: &ComputeClient<R>) {
 kiln_backends::backend_tests! {
     absorption,
     cache_writes,
+    normed_cache_writes,
     decode,
     prefill,
     kimi_shapes,

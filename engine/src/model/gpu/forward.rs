@@ -5,10 +5,10 @@ use cubecl::prelude::*;
 use kiln_kernels::embedding::embedding;
 use kiln_kernels::gemm::gated_gemm;
 use kiln_kernels::mla::{
-    self, absorb_query, project_values, write_kv, PagedKvCache, MAX_DECODE_Q_LEN,
+    self, absorb_query, project_values, write_kv_normed, KvRowPrep, PagedKvCache, MAX_DECODE_Q_LEN,
 };
 use kiln_kernels::moe::{combine, dispatch, gather_rows, route, Dispatch, Routing};
-use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm, rmsnorm_prefix};
+use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm};
 use kiln_kernels::rope::{rope_inplace, RopeLayout};
 use std::sync::atomic::Ordering;
 
@@ -158,38 +158,31 @@ impl<R: Runtime> GpuModel<R> {
             }
             QProj::Direct(w) => self.launched(w.apply(cl, x, t, &q, self.precision))?,
         }
-        let rope = |buf: &DeviceArray<f32>, rows_per_token, row_stride, offset| {
-            let layout = RopeLayout {
-                tokens: t,
-                rows_per_token,
-                row_stride,
-                offset,
-                rope_dim: 64,
-            };
-            rope_inplace(
-                cl,
-                buf,
-                layout,
-                &plan.positions,
-                &self.inv_freq,
-                self.rope_scale,
-            )
+        let layout = RopeLayout {
+            tokens: t,
+            rows_per_token: heads,
+            row_stride: qk,
+            offset: c.qk_nope_head_dim,
+            rope_dim: 64,
         };
-        self.launched(rope(&q, heads, qk, c.qk_nope_head_dim))?;
+        self.launched(rope_inplace(
+            cl,
+            &q,
+            layout,
+            &plan.positions,
+            &self.inv_freq,
+            self.rope_scale,
+        ))?;
         let kv_a = self.scratch(t * 576);
         self.launched(a.kv_a.apply(cl, x, t, &kv_a, self.precision))?;
-        self.launched(rope(&kv_a, 1, 576, 512))?;
-        let kv_rows = self.scratch(t * 576);
-        self.launched(rmsnorm_prefix(
-            cl,
-            &kv_a,
-            t,
-            576,
-            &a.kv_a_norm,
+        let prep = KvRowPrep {
+            norm: &a.kv_a_norm,
             eps,
-            &kv_rows,
-        ))?;
-        self.launched(write_kv(cl, &kv_rows, &plan.slots, cache))?;
+            positions: &plan.positions,
+            inv_freq: &self.inv_freq,
+            rope_scale: self.rope_scale,
+        };
+        self.launched(write_kv_normed(cl, &kv_a, &prep, &plan.slots, cache))?;
 
         let q_abs = self.scratch(t * heads * 576);
         self.launched(absorb_query(
