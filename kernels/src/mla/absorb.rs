@@ -1,6 +1,7 @@
 //! MLA weight absorption on the device (oracle: `kiln_reference::absorb`):
 //! - [`absorb_query`]: `[tokens, heads, nope + rope]` queries -> `[tokens, heads, 576]`
-//!   absorbed queries (`q_nope W_UK_h` then the roped `q_pe`), ready for [`super::mla_decode`];
+//!   absorbed queries (`q_nope W_UK_h` then `q_pe`, rotated on the way), ready for
+//!   [`super::mla_decode`];
 //! - [`project_values`]: the attention's `[tokens, heads, 512]` latent output ->
 //!   `[tokens, heads, v]` values (`W_UV_h`), the input of `o_proj`.
 //!
@@ -15,6 +16,7 @@ use super::absorb_mma::{self, head_product_kernel};
 use super::{KV_DIM, V_DIM};
 use crate::buffer::{check_index_space, check_len};
 use crate::formats::{bf16_to_f32, half_at};
+use crate::rope::{rotate_pair, Rotation};
 use crate::tensor_cores::has_bf16_mma;
 use crate::{DeviceArray, KernelError, Precision};
 
@@ -29,13 +31,17 @@ pub struct KvBShape {
 }
 
 #[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
 fn absorb_query_kernel(
     q: &Array<f32>,
     kv_b: &Array<u32>,
     out: &mut Array<f32>,
+    positions: &Array<u32>,
+    inv_freq: &Array<f32>,
     nope: u32,
     v: u32,
     heads: u32,
+    rope_scale: f32,
 ) {
     let th = CUBE_POS_X as usize; // token * heads + head
     let c = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
@@ -49,7 +55,11 @@ fn absorb_query_kernel(
         }
         out[th * 576 + c] = acc;
     } else if c < 576 {
-        out[th * 576 + c] = q[th * width + nope as usize + c - 512];
+        let pair = (c - 512) / 2;
+        let at = th * width + nope as usize + 2 * pair;
+        let pos = positions[th / heads as usize];
+        let rotated = rotate_pair(q[at], q[at + 1], pos, inv_freq[pair], rope_scale);
+        out[th * 576 + c] = rotated[(c - 512) % 2];
     }
 }
 
@@ -118,7 +128,9 @@ pub fn absorbs_on_tensor_cores<R: Runtime>(
     precision == Precision::Bf16 && shape.nope.is_multiple_of(16) && has_bf16_mma(client)
 }
 
-/// Launches the tensor-core product (`absorb`: N = 512, else N = v). Trusts validated shapes.
+/// Launches the tensor-core product: with `rope` the absorption (N = 512, `q_pe` rotated),
+/// else the value projection (N = v; the rotation's arguments bound to `kv_b` and `a`, not
+/// read). Trusts validated shapes.
 fn launch_mma<R: Runtime>(
     client: &ComputeClient<R>,
     a: &DeviceArray<f32>,
@@ -126,9 +138,14 @@ fn launch_mma<R: Runtime>(
     kv_b: &DeviceArray<u32>,
     shape: KvBShape,
     out: &DeviceArray<f32>,
-    absorb: bool,
+    rope: Option<&Rotation>,
 ) {
+    let absorb = rope.is_some();
     let n = if absorb { V_DIM } else { shape.v };
+    let (positions, inv_freq, scale) = match rope {
+        Some(r) => (r.positions, r.inv_freq, r.scale),
+        None => (kv_b, a, 1.0),
+    };
     // SAFETY: validated shapes; `nope % 16 == 0` keeps every vector load aligned and whole.
     unsafe {
         head_product_kernel::launch_unchecked::<R>(
@@ -142,22 +159,28 @@ fn launch_mma<R: Runtime>(
             a.arg(),
             kv_b.arg(),
             out.arg(),
+            positions.arg(),
+            inv_freq.arg(),
             tokens as u32,
             shape.heads as u32,
             shape.nope as u32,
             shape.v as u32,
+            scale,
             absorb,
         )
     }
 }
 
-/// `q` `[tokens, heads, nope + 64]` -> `out` `[tokens, heads, 576]`.
+/// `q` `[tokens, heads, nope + 64]` (`q_pe` not yet rotated) -> `out` `[tokens, heads,
+/// 576]`, `q_pe` rotated by `rope`.
+#[allow(clippy::too_many_arguments)]
 pub fn absorb_query<R: Runtime>(
     client: &ComputeClient<R>,
     q: &DeviceArray<f32>,
     tokens: usize,
     kv_b: &DeviceArray<u32>,
     shape: KvBShape,
+    rope: &Rotation,
     out: &DeviceArray<f32>,
     precision: Precision,
 ) -> Result<(), KernelError> {
@@ -165,8 +188,9 @@ pub fn absorb_query<R: Runtime>(
     validate(client, rows, kv_b, shape)?;
     check_len("queries", q, rows * (shape.nope + KV_DIM - V_DIM))?;
     check_len("absorbed queries", out, rows * KV_DIM)?;
+    rope.check(tokens)?;
     if absorbs_on_tensor_cores(client, shape, precision) {
-        launch_mma(client, q, tokens, kv_b, shape, out, true);
+        launch_mma(client, q, tokens, kv_b, shape, out, Some(rope));
         return Ok(());
     }
     // SAFETY: shapes validated above.
@@ -178,9 +202,12 @@ pub fn absorb_query<R: Runtime>(
             q.arg(),
             kv_b.arg(),
             out.arg(),
+            rope.positions.arg(),
+            rope.inv_freq.arg(),
             shape.nope as u32,
             shape.v as u32,
             shape.heads as u32,
+            rope.scale,
         )
     }
     Ok(())
@@ -201,7 +228,7 @@ pub fn project_values<R: Runtime>(
     check_len("attention output", latent, rows * V_DIM)?;
     check_len("values", out, rows * shape.v)?;
     if absorbs_on_tensor_cores(client, shape, precision) {
-        launch_mma(client, latent, tokens, kv_b, shape, out, false);
+        launch_mma(client, latent, tokens, kv_b, shape, out, None);
         return Ok(());
     }
     // SAFETY: shapes validated above.

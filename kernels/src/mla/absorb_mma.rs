@@ -3,7 +3,7 @@
 //!
 //! - absorb: `A` = the head's `q_nope` (`K = nope`), `W[k][n] = kv_b[h * (nope + v) + k][n]`
 //!   (`N = 512`, stored k-major: `ldmatrix.trans` hands out its B fragments); the cubes of the
-//!   first column tile also copy the roped `q_pe` into columns 512..576;
+//!   first column tile also copy `q_pe` into columns 512..576, rotated;
 //! - project: `A` = the head's latent (`K = 512`), `W[k][n] = kv_b[h * (nope + v) + nope +
 //!   n][k]` (`N = v`, stored n-major like a GEMM's weight rows).
 //!
@@ -15,6 +15,7 @@
 use cubecl::prelude::*;
 use half::bf16;
 
+use crate::rope::rotate_pair;
 use crate::warp_mma::{load_a_tile, mma_step, Acc, Bf16x8, Frag};
 
 /// Tokens per cube.
@@ -38,10 +39,13 @@ pub(super) fn head_product_kernel(
     a: &Array<Vector<f32, Const<4>>>,
     kv_b: &Array<Vector<u32, Const<4>>>,
     out: &mut Array<f32>,
+    positions: &Array<u32>,
+    inv_freq: &Array<f32>,
     tokens: u32,
     heads: u32,
     nope: u32,
     v: u32,
+    rope_scale: f32,
     #[comptime] absorb: bool,
 ) {
     let unit = UNIT_POS_X as usize;
@@ -195,16 +199,22 @@ pub(super) fn head_product_kernel(
         }
     }
     if comptime!(absorb) {
-        // The roped `q_pe` (64 values after `nope`) goes to columns 512..576 unchanged.
+        // `q_pe` (64 values after `nope`) goes to columns 512..576 rotated: a unit takes
+        // 4 of them (pairs `2 (i % 16)`, `+ 1`) of one token.
         if CUBE_POS_Y == 0 {
             for i in range_stepped(unit, BM * 16, UNITS as usize) {
                 let token = tok0 + i / 16;
                 if token < tokens {
                     let row = token * heads + h;
                     let x = a[(row * a_width + nope) / 4 + i % 16];
+                    let pos = positions[token];
                     #[unroll]
-                    for e in 0..4usize {
-                        out[row * 576 + 512 + (i % 16) * 4 + e] = x[e];
+                    for p in 0..2usize {
+                        let pair = (i % 16) * 2 + p;
+                        let r =
+                            rotate_pair(x[2 * p], x[2 * p + 1], pos, inv_freq[pair], rope_scale);
+                        out[row * 576 + 512 + 2 * pair] = r[0];
+                        out[row * 576 + 513 + 2 * pair] = r[1];
                     }
                 }
             }

@@ -17,7 +17,7 @@ use cubecl::prelude::*;
 use super::{KvFormat, PagedKvCache, KV_DIM, V_DIM};
 use crate::buffer::{check_index_space, check_len};
 use crate::reduce::cube_sum;
-use crate::rope::rotate_pair;
+use crate::rope::{rotate_pair, Rotation};
 use crate::{DeviceArray, KernelError};
 
 /// f32 -> bf16 bits, round to nearest even (inputs are finite).
@@ -210,15 +210,12 @@ pub fn write_kv<R: Runtime>(
 }
 
 /// How [`write_kv_normed`] finishes a `kv_a` row: the latent's RMSNorm (`norm`: 512
-/// weights, `eps`) and the rope part's rotation at the token's position (`positions`: one
-/// per token; `inv_freq`: 32 f32 frequencies; `rope_scale`: the YaRN cos/sin scale), as
-/// `kiln_kernels::rmsnorm::rmsnorm_prefix` and `kiln_kernels::rope::rope_inplace` do.
+/// weights, `eps`), as `kiln_kernels::rmsnorm::rmsnorm_prefix` does, and the rope part's
+/// rotation.
 pub struct KvRowPrep<'a> {
     pub norm: &'a DeviceArray<f32>,
     pub eps: f32,
-    pub positions: &'a DeviceArray<u32>,
-    pub inv_freq: &'a DeviceArray<f32>,
-    pub rope_scale: f32,
+    pub rope: Rotation<'a>,
 }
 
 /// Writes row `t` of `kv_a` (`[tokens, 576]` as the `kv_a` projection leaves them) into
@@ -233,8 +230,7 @@ pub fn write_kv_normed<R: Runtime>(
     let tokens = slots.len();
     validate_write(client, kv_a, tokens, cache)?;
     check_len("KV norm weights", prep.norm, V_DIM)?;
-    check_len("positions", prep.positions, tokens)?;
-    check_len("inverse frequencies", prep.inv_freq, (KV_DIM - V_DIM) / 2)?;
+    prep.rope.check(tokens)?;
     // SAFETY: validated above.
     unsafe {
         launch_write(
@@ -243,10 +239,10 @@ pub fn write_kv_normed<R: Runtime>(
             slots,
             cache,
             prep.norm,
-            prep.positions,
-            prep.inv_freq,
+            prep.rope.positions,
+            prep.rope.inv_freq,
             prep.eps,
-            prep.rope_scale,
+            prep.rope.scale,
             true,
         )
     };

@@ -57,6 +57,24 @@ pub(crate) fn rotate_pair(
     out
 }
 
+/// The rotation of a batch's rope values where another kernel applies it on the way
+/// (`kiln_kernels::mla::write_kv_normed`, `kiln_kernels::mla::absorb_query`): token `t`
+/// at `positions[t]`, pair `i` of its 64 rope values turned by `positions[t] * inv_freq[i]`
+/// (32 frequencies), cos and sin multiplied by `scale`, as [`rope_inplace`] does.
+pub struct Rotation<'a> {
+    pub positions: &'a DeviceArray<u32>,
+    pub inv_freq: &'a DeviceArray<f32>,
+    pub scale: f32,
+}
+
+impl Rotation<'_> {
+    /// Checks one position per token and 32 frequencies (64 rope values).
+    pub(crate) fn check(&self, tokens: usize) -> Result<(), KernelError> {
+        check_len("positions", self.positions, tokens)?;
+        check_len("inverse frequencies", self.inv_freq, 32)
+    }
+}
+
 /// Where the rope dims sit in `x`: `tokens * rows_per_token` rows of `row_stride` values,
 /// `rope_dim` of them starting at `offset`.
 #[derive(Clone, Copy, Debug)]

@@ -7,6 +7,7 @@ use kiln_kernels::mla::{
     absorb_query, absorbs_on_tensor_cores, mla_decode, mla_prefill, project_values, write_kv,
     write_kv_normed, AttnMetadata, KvBShape, KvFormat, KvRowPrep, PagedKvCache,
 };
+use kiln_kernels::rope::Rotation;
 use kiln_kernels::Precision;
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::absorb::{self, KvB};
@@ -315,9 +316,11 @@ fn normed_cache_writes<R: Runtime>(client: &ComputeClient<R>) {
             let prep = KvRowPrep {
                 norm: &norm_dev,
                 eps,
-                positions: &pos_dev,
-                inv_freq: &freqs_dev,
-                rope_scale: rope_scale as f32,
+                rope: Rotation {
+                    positions: &pos_dev,
+                    inv_freq: &freqs_dev,
+                    scale: rope_scale as f32,
+                },
             };
             write_kv_normed(
                 client,
@@ -398,7 +401,7 @@ fn bf16_rounding() -> (f64, f64) {
 /// Absorbed queries and value projections against the reference at both precisions, Kimi's
 /// nope/v = 128, odd small splits, and splits the tensor-core path takes with a partial K
 /// step (nope 48) and two column tiles of values (v 136); more than 64 tokens cross a token
-/// tile.
+/// tile. The queries' rope parts are rotated on the way (Kimi's YaRN, positions up to 200k).
 fn absorption<R: Runtime>(client: &ComputeClient<R>) {
     let mut runner = TestRunner::new(Config {
         cases: 12,
@@ -429,8 +432,45 @@ fn absorption<R: Runtime>(client: &ComputeClient<R>) {
             };
             let q = normal_with_outliers(&mut rng, tokens * heads * (nope + 64), 1.0);
             let latent = normal_with_outliers(&mut rng, tokens * heads * 512, 1.0);
-            let (want_q, mag_q) = absorb::absorb_query(&q, &kvb, 64);
+            let (mut want_q, mag_q) = absorb::absorb_query(&q, &kvb, 64);
             let (want_v, mag_v) = absorb::project_values(&latent, &kvb);
+            let cfg = YarnConfig::kimi_k2();
+            let positions: Vec<u32> = (0..tokens).map(|_| rng.below(200_000) as u32).collect();
+            let pos_usize: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
+            let q_pe: Vec<f32> = q
+                .chunks(nope + 64)
+                .flat_map(|r| r[nope..].to_vec())
+                .collect();
+            let rotated = apply_interleaved(&q_pe, &pos_usize, 64, &cfg);
+            let rope_scale = cos_sin_scale(&cfg);
+            // Where each row's rope part sits in the output, and its bound.
+            let mut rope_bound = vec![None; want_q.len()];
+            for (r, row) in q_pe.chunks(64).enumerate() {
+                let pos = pos_usize[r / heads];
+                for i in 0..64 {
+                    let e = rotated[r * 64 + i];
+                    let mag = (row[i / 2 * 2].abs() + row[i / 2 * 2 + 1].abs()) as f64;
+                    want_q[r * 576 + 512 + i] = e;
+                    rope_bound[r * 576 + 512 + i] = Some(rope_allowed(
+                        pos,
+                        mag,
+                        rope_scale,
+                        e,
+                        DType::F32,
+                        DType::F32,
+                    ));
+                }
+            }
+            let freqs: Vec<f32> = inv_freq(64, &cfg).iter().map(|&f| f as f32).collect();
+            let (pos_dev, freqs_dev) = (
+                DeviceArray::upload(client, &positions),
+                DeviceArray::upload(client, &freqs),
+            );
+            let rope = Rotation {
+                positions: &pos_dev,
+                inv_freq: &freqs_dev,
+                scale: rope_scale as f32,
+            };
             let (q, latent) = (
                 DeviceArray::upload(client, &q),
                 DeviceArray::upload(client, &latent),
@@ -445,13 +485,12 @@ fn absorption<R: Runtime>(client: &ComputeClient<R>) {
                     }
                 };
                 let out = DeviceArray::filled(client, tokens * heads * 576, f32::NAN);
-                absorb_query(client, &q, tokens, &kv_b, shape, &out, precision).unwrap();
+                absorb_query(client, &q, tokens, &kv_b, shape, &rope, &out, precision).unwrap();
                 let tol = rounding(Tolerance::dot(nope, DType::F32, DType::F32));
-                let cmp = compare(
-                    &out.read(client),
-                    &want_q,
-                    &tol.allowed_all(&want_q, &mag_q),
-                );
+                let allowed: Vec<f64> = (want_q.iter().zip(&mag_q).zip(&rope_bound))
+                    .map(|((&e, &m), rope)| rope.unwrap_or_else(|| tol.allowed(e, m)))
+                    .collect();
+                let cmp = compare(&out.read(client), &want_q, &allowed);
                 prop_assert!(cmp.passed(), "absorb_query ({precision:?}): {cmp}");
 
                 let values = DeviceArray::filled(client, tokens * heads * v, f32::NAN);

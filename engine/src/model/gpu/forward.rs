@@ -9,7 +9,7 @@ use kiln_kernels::mla::{
 };
 use kiln_kernels::moe::{combine, dispatch, gather_rows, route, Dispatch, Routing};
 use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm};
-use kiln_kernels::rope::{rope_inplace, RopeLayout};
+use kiln_kernels::rope::Rotation;
 use std::sync::atomic::Ordering;
 
 use kiln_kernels::{DeviceArray, KernelError};
@@ -158,29 +158,19 @@ impl<R: Runtime> GpuModel<R> {
             }
             QProj::Direct(w) => self.launched(w.apply(cl, x, t, &q, self.precision))?,
         }
-        let layout = RopeLayout {
-            tokens: t,
-            rows_per_token: heads,
-            row_stride: qk,
-            offset: c.qk_nope_head_dim,
-            rope_dim: 64,
+        // The rope parts of the queries and the new KV rows are rotated on the way: by the
+        // absorption and by the cache write.
+        let rotation = || Rotation {
+            positions: &plan.positions,
+            inv_freq: &self.inv_freq,
+            scale: self.rope_scale,
         };
-        self.launched(rope_inplace(
-            cl,
-            &q,
-            layout,
-            &plan.positions,
-            &self.inv_freq,
-            self.rope_scale,
-        ))?;
         let kv_a = self.scratch(t * 576);
         self.launched(a.kv_a.apply(cl, x, t, &kv_a, self.precision))?;
         let prep = KvRowPrep {
             norm: &a.kv_a_norm,
             eps,
-            positions: &plan.positions,
-            inv_freq: &self.inv_freq,
-            rope_scale: self.rope_scale,
+            rope: rotation(),
         };
         self.launched(write_kv_normed(cl, &kv_a, &prep, &plan.slots, cache))?;
 
@@ -191,6 +181,7 @@ impl<R: Runtime> GpuModel<R> {
             t,
             &a.kv_b,
             self.kv_b_shape,
+            &rotation(),
             &q_abs,
             self.precision,
         ))?;
