@@ -268,7 +268,7 @@ fn launch_mma<R: Runtime>(
             launch_attention!(mma::mma_attention_kernel::launch_unchecked::<R>, mma::UNITS);
         }
         if splits > 1 {
-            let lanes = combine::combine_lanes(total_rows);
+            let lanes = combine::combine_lanes(total_rows, splits);
             let dims = 4 * combine::COMBINE_UNITS / lanes;
             combine::combine_kernel::launch_unchecked::<R>(
                 client,

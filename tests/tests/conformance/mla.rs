@@ -82,7 +82,8 @@ fn prefill<R: Runtime>(client: &ComputeClient<R>) {
 /// Kimi's 64 heads over a few chunks, a draft-verification step of 16 query tokens, and
 /// the 64-row cube (both KV formats) with rows of two tokens, two groups per token (128
 /// heads: DeepSeek-V3) and a partial last group; fp8 tiles with scales past 2^7 in both
-/// tensor-core kernels.
+/// tensor-core kernels. On an H200 the 64-head pairs split 4 to 16 ways, so the combine
+/// runs past 64 rows with 2 and with 4 split lanes.
 fn kimi_shapes<R: Runtime>(client: &ComputeClient<R>) {
     for (heads, q_lens, kv_lens, format, huge_tile) in [
         (64, vec![1, 1], vec![200, 129], KvFormat::Bf16, false),
@@ -95,6 +96,7 @@ fn kimi_shapes<R: Runtime>(client: &ComputeClient<R>) {
         (4, vec![16, 3], vec![260, 3], KvFormat::Bf16, false),
         (64, vec![1, 1], vec![333, 70], KvFormat::Fp8, true),
         (16, vec![1, 2], vec![300, 41], KvFormat::Fp8, true),
+        (64, vec![1, 1], vec![1000, 900], KvFormat::Bf16, false),
     ] {
         let case = MlaCase {
             heads,
