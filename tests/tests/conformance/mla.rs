@@ -208,6 +208,66 @@ fn bad_metadata_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
     ));
 }
 
+/// A cache of one-row pages filled with a sentinel, and the shuffled rows `tokens` new rows
+/// go to; the rest must keep the sentinel.
+struct SlotCache {
+    cache: PagedKvCache,
+    order: Vec<u32>,
+    tokens: usize,
+}
+
+impl SlotCache {
+    const SENTINEL: u32 = 0xdead_beef;
+
+    fn new<R: Runtime>(
+        client: &ComputeClient<R>,
+        rng: &mut Rng,
+        tokens: usize,
+        spare: usize,
+        format: KvFormat,
+    ) -> Self {
+        let rows = tokens + spare;
+        let mut order: Vec<u32> = (0..rows as u32).collect();
+        rng.shuffle(&mut order);
+        let cache = PagedKvCache {
+            data: DeviceArray::filled(client, rows * format.words_per_row(), Self::SENTINEL),
+            format,
+            page_size: 1,
+            num_pages: rows,
+        };
+        Self {
+            cache,
+            order,
+            tokens,
+        }
+    }
+
+    /// The new rows' slots, on the device.
+    fn slots<R: Runtime>(&self, client: &ComputeClient<R>) -> DeviceArray<u32> {
+        DeviceArray::upload(client, &self.order[..self.tokens])
+    }
+
+    /// The new rows' words in token order, once every other row is seen to be untouched.
+    fn new_rows<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+    ) -> Result<Vec<Vec<u32>>, TestCaseError> {
+        let data = self.cache.data.read(client);
+        let words = self.cache.format.words_per_row();
+        let row = |slot: u32| &data[slot as usize * words..(slot as usize + 1) * words];
+        for &slot in &self.order[self.tokens..] {
+            prop_assert!(
+                row(slot).iter().all(|&w| w == Self::SENTINEL),
+                "row {slot} was overwritten"
+            );
+        }
+        Ok(self.order[..self.tokens]
+            .iter()
+            .map(|&slot| row(slot).to_vec())
+            .collect())
+    }
+}
+
 /// New rows land in exactly their slots, bit-exact with the reference's bf16 and fp8
 /// encodings (tiles of tiny and of huge values included); every other row keeps its
 /// contents.
@@ -220,36 +280,23 @@ fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
     runner
         .run(&strategy, |(tokens, spare, format, seed)| {
             let mut rng = Rng::new(seed);
-            let rows = tokens + spare;
-            let words = format.words_per_row();
-            let mut order: Vec<u32> = (0..rows as u32).collect();
-            rng.shuffle(&mut order);
-            let slots = &order[..tokens];
+            let target = SlotCache::new(client, &mut rng, tokens, spare, format);
             let mut kv = normal_with_outliers(&mut rng, tokens * 576, 1.0);
             kv[..64].iter_mut().for_each(|v| *v *= 1e-4); // codes deep in the E4M3 subnormals
             kv[128..256].iter_mut().for_each(|v| *v *= 1e6); // a scale of 2^12 or more
-            let sentinel = 0xdead_beefu32;
-            let cache = PagedKvCache {
-                data: DeviceArray::filled(client, rows * words, sentinel),
-                format,
-                page_size: 1,
-                num_pages: rows,
-            };
             write_kv(
                 client,
                 &DeviceArray::upload(client, &kv),
-                &DeviceArray::upload(client, slots),
-                &cache,
+                &target.slots(client),
+                &target.cache,
             )
             .unwrap();
-            let data = cache.data.read(client);
-            for (t, &slot) in slots.iter().enumerate() {
-                let row = &data[slot as usize * words..(slot as usize + 1) * words];
+            for (t, row) in target.new_rows(client)?.iter().enumerate() {
                 let x = &kv[t * 576..(t + 1) * 576];
                 match format {
                     KvFormat::F32 => {
                         let want: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
-                        prop_assert_eq!(row, want.as_slice());
+                        prop_assert_eq!(row.as_slice(), want.as_slice());
                     }
                     KvFormat::Bf16 => {
                         for (i, &w) in row.iter().enumerate() {
@@ -263,13 +310,6 @@ fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
                         prop_assert_eq!(bytes, fp8_row_encode(x).to_vec(), "token {}", t);
                     }
                 }
-            }
-            for &slot in &order[tokens..] {
-                let row = &data[slot as usize * words..(slot as usize + 1) * words];
-                prop_assert!(
-                    row.iter().all(|&w| w == sentinel),
-                    "row {slot} was overwritten"
-                );
             }
             Ok(())
         })
@@ -290,11 +330,7 @@ fn normed_cache_writes<R: Runtime>(client: &ComputeClient<R>) {
     runner
         .run(&strategy, |(tokens, spare, format, seed)| {
             let mut rng = Rng::new(seed);
-            let rows = tokens + spare;
-            let words = format.words_per_row();
-            let mut order: Vec<u32> = (0..rows as u32).collect();
-            rng.shuffle(&mut order);
-            let slots = &order[..tokens];
+            let target = SlotCache::new(client, &mut rng, tokens, spare, format);
             let mut kv_a = normal_with_outliers(&mut rng, tokens * 576, 1.0);
             kv_a[128..256].iter_mut().for_each(|v| *v *= 1e3); // one tile far above the rest
             let norm = normal_with_outliers(&mut rng, 512, 1.0);
@@ -303,13 +339,6 @@ fn normed_cache_writes<R: Runtime>(client: &ComputeClient<R>) {
             let freqs: Vec<f32> = inv_freq(64, &cfg).iter().map(|&f| f as f32).collect();
             let rope_scale = cos_sin_scale(&cfg);
             let eps = 1e-6;
-            let sentinel = 0xdead_beefu32;
-            let cache = PagedKvCache {
-                data: DeviceArray::filled(client, rows * words, sentinel),
-                format,
-                page_size: 1,
-                num_pages: rows,
-            };
             let (norm_dev, pos_dev) = (
                 DeviceArray::upload(client, &norm),
                 DeviceArray::upload(client, &positions),
@@ -328,15 +357,13 @@ fn normed_cache_writes<R: Runtime>(client: &ComputeClient<R>) {
                 client,
                 &DeviceArray::upload(client, &kv_a),
                 &prep,
-                &DeviceArray::upload(client, slots),
-                &cache,
+                &target.slots(client),
+                &target.cache,
             )
             .unwrap();
-            let data = cache.data.read(client);
             let chain = Tolerance::dot(512 + 4, DType::F32, DType::F32);
             let (mut got, mut want, mut allowed) = (Vec::new(), Vec::new(), Vec::new());
-            for (t, &slot) in slots.iter().enumerate() {
-                let row = &data[slot as usize * words..(slot as usize + 1) * words];
+            for (t, row) in target.new_rows(client)?.iter().enumerate() {
                 let x = &kv_a[t * 576..(t + 1) * 576];
                 let latent = norm::rmsnorm(&x[..512], &norm, eps);
                 let pos = positions[t] as usize;
@@ -383,13 +410,6 @@ fn normed_cache_writes<R: Runtime>(client: &ComputeClient<R>) {
             }
             let cmp = compare(&got, &want, &allowed);
             prop_assert!(cmp.passed(), "{format:?}: {cmp}");
-            for &slot in &order[tokens..] {
-                let row = &data[slot as usize * words..(slot as usize + 1) * words];
-                prop_assert!(
-                    row.iter().all(|&w| w == sentinel),
-                    "row {slot} was overwritten"
-                );
-            }
             Ok(())
         })
         .unwrap();
