@@ -1,7 +1,7 @@
 //! The tensor-core decode GEMM (CUDA `mma.sync m16n8k16`, bf16 operands, f32 accumulators):
-//! `C[M, N] = A[M, K] W[N, K]^T` for dense decode GEMMs (`M <= GEMV_MAX_M`; the kernel
-//! takes up to 8 groups of 8 tokens) and the grouped MoE GEMM up to 32 rows per expert on
-//! average, where the time is the weight read.
+//! `C[M, N] = A[M, K] W[N, K]^T` for dense decode GEMMs (`M <= GEMV_MAX_M` for bf16,
+//! `GEMV_MAX_M_NVFP4` for NVFP4; the kernel takes up to 8 groups of 8 tokens) and the grouped
+//! MoE GEMM up to 32 rows per expert on average, where the time is the weight read.
 //!
 //! The weights are the MMA's A operand (16 rows), the tokens its B operand (8 per group), so
 //! one decoded weight serves up to 8 tokens per instruction and nothing goes through shared

@@ -45,10 +45,14 @@ pub const BLOCK: usize = 16;
 const CUBE_N: u32 = 64;
 /// The largest M the decode (skinny) kernel takes.
 pub const SKINNY_MAX_M: usize = 16;
-/// The largest M a dense GEMM sends through the tensor-core GEMV. The kernel takes up to 8
-/// token groups, but at M = 64 it only matches the tiled kernel for NVFP4 (0.7-1.3x) and
-/// loses for bf16 (0.4-0.6x, `benches/RESULTS.md`), so dense GEMMs past 16 rows go tiled.
+/// The largest M a dense bf16 GEMM sends through the tensor-core GEMV. The kernel takes up to
+/// 8 token groups, but past 16 rows bf16 gains nothing over the tiled kernel (0.94-1.16x at
+/// 24 rows, 0.4-0.6x at 64, `benches/RESULTS.md`), so dense bf16 GEMMs past 16 rows go tiled.
 pub const GEMV_MAX_M: usize = 16;
+/// The largest M a dense NVFP4 GEMM (fragment layout) sends through the GEMV: at 24 rows it
+/// beats the tiled kernel and its split-K pass at all four Kimi shapes (1.06-1.59x), at 32
+/// it wins two and loses two (0.80-1.23x, `benches/RESULTS.md`).
+pub const GEMV_MAX_M_NVFP4: usize = 24;
 /// The most rows a grouped GEMM sends through the skinny kernel (128 tokens x top-8): at
 /// Kimi's shapes it streams the touched experts at 27-33% of copy against the tiled kernel's
 /// 11% up to there (`benches/RESULTS.md`).
@@ -307,6 +311,8 @@ fn gemm_path<R: Runtime>(
     let gemv_weights = fragments || (format == WeightFormat::Bf16 && tensor_cores);
     let gemv_rows = if let Some(experts) = experts {
         m <= gemv::GROUPED_GROUPS * 8 * experts && m <= 65_535 && n <= 65_535
+    } else if format == WeightFormat::Nvfp4 {
+        m <= GEMV_MAX_M_NVFP4
     } else {
         m <= GEMV_MAX_M
     };

@@ -14,7 +14,7 @@ use kiln_conformance::Activation;
 use kiln_kernels::gemm::fragments::{from_fragments_host, to_fragments, to_fragments_host};
 use kiln_kernels::gemm::{
     bf16_gemm, gated_gemm, nvfp4_gemm, nvfp4_grouped_gemm, nvfp4_layout, Bf16Weights, GemmPath,
-    Nvfp4Layout, Nvfp4Weights, Operand, WeightFormat, GEMV_MAX_M,
+    Nvfp4Layout, Nvfp4Weights, Operand, WeightFormat, GEMV_MAX_M_NVFP4,
 };
 use kiln_kernels::{DeviceArray, KernelError, Precision};
 use kiln_reference::data::Rng;
@@ -198,11 +198,11 @@ fn fragment_weights_take_the_gemv<R: Runtime>(client: &ComputeClient<R>) {
             GemmPath::Gemv
         );
         assert_eq!(
-            weights.path(client, GEMV_MAX_M, false, Precision::Bf16),
+            weights.path(client, GEMV_MAX_M_NVFP4, false, Precision::Bf16),
             GemmPath::Gemv
         );
         assert_eq!(
-            weights.path(client, GEMV_MAX_M + 1, false, Precision::Bf16),
+            weights.path(client, GEMV_MAX_M_NVFP4 + 1, false, Precision::Bf16),
             GemmPath::TensorCores
         );
         // Grouped: the GEMV while experts average up to 32 rows (one expert here), then the
@@ -259,12 +259,12 @@ fn fragment_relayout_matches_the_host_map<R: Runtime>(client: &ComputeClient<R>)
 }
 
 /// SwiGLU pairs (`gated_gemm`), dense and grouped, both weight formats: shapes the
-/// tensor-core GEMV takes on CUDA (NVFP4 N % 16 == 0, K % 64 == 0; bf16 K % 64 == 0, any N,
-/// M up to 16 dense and up to 32 rows per expert grouped) and shapes it does not (odd N or
-/// K, M past 16), which run the two GEMMs and `silu_mul`.
+/// tensor-core GEMV takes on CUDA (NVFP4 N % 16 == 0, K % 64 == 0, M up to 24 dense; bf16
+/// K % 64 == 0, any N, M up to 16 dense; up to 32 rows per expert grouped) and shapes it does
+/// not (odd N or K, M past those), which run the two GEMMs and `silu_mul`.
 fn gated_pairs_match_the_reference<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
     let gemv_dense = (
-        1usize..=16,
+        1usize..=24,
         1usize..=5,
         1usize..=3,
         any::<bool>(),
@@ -353,7 +353,7 @@ fn bad_gated_inputs_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
 
 /// Decode-sized shapes from Kimi-K2, pinned.
 fn kimi_decode_shapes<R: Runtime>(client: &ComputeClient<R>) {
-    for (m, n, k) in [(1, 512, 7168), (3, 7168, 256), (16, 96, 2048)] {
+    for (m, n, k) in [(1, 512, 7168), (3, 7168, 256), (16, 96, 2048), (24, 64, 7168)] {
         run_gemm::<R, f32>(client, &GemmCase::dense(m, n, k, 7), false)
             .unwrap()
             .assert_passed();
