@@ -9,6 +9,8 @@ and prints per point both builds' samples of a timing field, their medians and B
 
     python3 benches/gpu/ab.py --rounds 4 .gpu/mla_decode_before .gpu/mla_decode \\
         -- bf16 16 8 32768
+    python3 benches/gpu/ab.py --rounds 4 --field layer_ms --json-flag=--json \\
+        .gpu/layer_decode_before .gpu/layer_decode -- --backend cuda --batches 1,8 --prefill 0
 
 Points are matched by their fields that are not floats (shape, format, ...). The JSON of
 every run stays in --out (default $OUT or gpu-results/ab).
@@ -21,8 +23,8 @@ import subprocess
 import sys
 
 
-def run(binary, out_json, args):
-    cmd = [binary, out_json, *args]
+def run(binary, out_json, args, json_flag):
+    cmd = [binary, json_flag, out_json, *args] if json_flag else [binary, out_json, *args]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -41,6 +43,7 @@ def main():
     p.add_argument("args", nargs="*", help="arguments after the JSON path, after --")
     p.add_argument("--rounds", type=int, default=3, help="runs of each build (default 3)")
     p.add_argument("--field", default="us", help="timing field of a point (default us)")
+    p.add_argument("--json-flag", help="pass the JSON path after this flag (layer_decode: --json)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "gpu-results"), "ab"))
     opts = p.parse_args()
     os.makedirs(opts.out, exist_ok=True)
@@ -52,7 +55,7 @@ def main():
             order.reverse()
         for side, binary in order:
             out_json = os.path.join(opts.out, f"{side}-{r}.json")
-            for point in run(binary, out_json, opts.args):
+            for point in run(binary, out_json, opts.args, opts.json_flag):
                 if opts.field not in point:
                     sys.exit(f"{binary}: a point has no field {opts.field!r}: {point}")
                 k = key(point)
@@ -65,9 +68,9 @@ def main():
             print(f"{shape}: only in {'A' if s['a'] else 'B'}")
             continue
         ma, mb = statistics.median(s["a"]), statistics.median(s["b"])
-        a_list = " ".join(f"{x:.1f}" for x in s["a"])
-        b_list = " ".join(f"{x:.1f}" for x in s["b"])
-        print(f"{shape}\n  A {a_list} (median {ma:.1f})\n  B {b_list} (median {mb:.1f})  B/A {mb / ma:.3f}")
+        a_list = " ".join(f"{x:.4g}" for x in s["a"])
+        b_list = " ".join(f"{x:.4g}" for x in s["b"])
+        print(f"{shape}\n  A {a_list} (median {ma:.4g})\n  B {b_list} (median {mb:.4g})  B/A {mb / ma:.3f}")
 
 
 if __name__ == "__main__":
