@@ -1,11 +1,20 @@
-"""The peer for MLA prefill/extend: PyTorch SDPA (bf16, causal) on the unabsorbed problem
-kiln's absorbed kernel replaces (Kimi K2: 64 heads, q/k head dim 128 + 64 rope = 192, v 128),
-as SGLang and vLLM run MLA prefill. Prints a table and writes JSON to argv[1].
+"""The PyTorch peers of kiln's MLA kernels, on the same GPU. Prints tables and writes JSON
+to argv[1]; with argv[2] (the `mla_decode` JSON of the same run) it also prints kiln's time
+for each decode shape beside the peer's, and their ratio.
 
-The new tokens sit at the end of the context (a cached prefix of ctx - q tokens), so query i
-sees positions 0..=ctx - q + i: with no prefix that is SDPA's is_causal; with one, the mask is
-passed explicitly (bool, q x ctx). TFLOP/s counts the visible (query, key) pairs x 2 x heads x
-(192 + 128), the work SDPA must do.
+Prefill/extend: SDPA (bf16, causal) on the unabsorbed problem kiln's absorbed kernel
+replaces (Kimi K2: 64 heads, q/k head dim 128 + 64 rope = 192, v 128), as SGLang and vLLM
+run MLA prefill. The new tokens sit at the end of the context (a cached prefix of ctx - q
+tokens), so query i sees positions 0..=ctx - q + i: with no prefix that is SDPA's is_causal;
+with one, the mask is passed explicitly (bool, q x ctx). TFLOP/s counts the visible (query,
+key) pairs x 2 x heads x (192 + 128), the work SDPA must do.
+
+Decode (one token per request, bf16 KV): the absorbed form over each request's contiguous
+latent cache (576 values a position, the first 512 of them the values), as plain PyTorch
+writes it: scores = q K^T (cuBLAS batched GEMM), softmax in f32, weights V (a second
+GEMM). Contiguous, not paged: the peer is spared the page gather kiln does. Several cache
+copies are rotated (>= 256 MB in all) so L2 never holds the next call's KV, as in
+`mla_decode`. TB/s counts the same bytes as `mla_decode` (1152 per visible position).
 """
 import json
 import sys
@@ -47,15 +56,61 @@ def point(q_len, ctx):
     return {"q_len": q_len, "context": ctx, "ms": ms, "tflops": tflops}
 
 
+DECODE_SHAPES = [  # (heads, batch, context): mla_decode's decode grid
+    (h, b, c)
+    for h in (16, 64)
+    for b, c in [(1, 8192), (1, 32768), (1, 100000), (1, 131072), (8, 32768), (8, 100000),
+                 (32, 32768), (32, 100000), (64, 32768), (64, 49152)]
+]
+
+
+def decode_point(heads, batch, ctx):
+    row_bytes = 576 * 2
+    copies = max(1, min(32, -(-256_000_000 // (batch * ctx * row_bytes))))
+    caches = [torch.randn(batch, ctx, 576, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    q = torch.randn(batch, heads, 576, device="cuda", dtype=torch.bfloat16)
+    scale = 192 ** -0.5
+    turn = [0]
+
+    def run():
+        kv = caches[turn[0] % copies]
+        turn[0] += 1
+        scores = torch.matmul(q, kv.transpose(1, 2))
+        weights = torch.softmax(scores.float() * scale, dim=-1).to(torch.bfloat16)
+        return torch.matmul(weights, kv[..., :512])
+
+    ms = time_ms(run, reps=max(5, copies))
+    del caches
+    torch.cuda.empty_cache()
+    tbps = batch * ctx * row_bytes / (ms * 1e-3) / 1e12
+    return {"heads": heads, "batch": batch, "context": ctx, "us": ms * 1e3, "tbps": tbps}
+
+
 def main():
-    points = [point(q, c) for q, c in [(8192, 8192), (8192, 32768)]]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    prefill = [point(q, c) for q, c in [(8192, 8192), (8192, 32768)]]
     print(f"{'q':>6} {'ctx':>6} {'ms':>9} {'TFLOP/s':>8}")
-    for p in points:
+    for p in prefill:
         print(f"{p['q_len']:>6} {p['context']:>6} {p['ms']:>9.3f} {p['tflops']:>8.1f}")
+    decode = [decode_point(*shape) for shape in DECODE_SHAPES]
+    kiln = {}
+    if len(sys.argv) > 2:
+        with open(sys.argv[2]) as f:
+            for k in json.load(f):
+                if k["kv"] == "bf16" and k["q_len"] == 1:
+                    kiln[(k["heads"], k["batch"], k["context"])] = k
+    print("decode, bf16 KV: torch matmul + softmax + matmul against kiln (same run)")
+    print(f"{'H':>3} {'B':>3} {'ctx':>7} {'torch us':>10} {'TB/s':>6} {'kiln us':>9} {'TB/s':>6} {'speedup':>8}")
+    for p in decode:
+        k = kiln.get((p["heads"], p["batch"], p["context"]))
+        if k:
+            p["kiln_us"] = k["us"]
+            p["speedup"] = p["us"] / k["us"]
+        tail = f"{k['us']:>9.1f} {k['tbps']:>6.2f} {p['speedup']:>8.2f}" if k else f"{'-':>9} {'-':>6} {'-':>8}"
+        print(f"{p['heads']:>3} {p['batch']:>3} {p['context']:>7} {p['us']:>10.1f} {p['tbps']:>6.2f} {tail}")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
-            json.dump(points, f, indent=2)
+            json.dump({"prefill": prefill, "decode": decode}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ bench() {
   .gpu/gemm_decode "$out/gemm_tiled.json" 64,256,4096,16384 2>&1 | tee "$out/gemm_tiled.log"
   .gpu/moe_grouped "$out/moe_grouped.json" 2>&1 | tee "$out/moe_grouped.log"
   .gpu/mla_decode "$out/mla_decode.json" 2>&1 | tee "$out/mla_decode.log"
-  python3 benches/gpu/mla_peer.py "$out/mla_peer.json" 2>&1 | tee "$out/mla_peer.log"
+  python3 benches/gpu/mla_peer.py "$out/mla_peer.json" "$out/mla_decode.json" 2>&1 | tee "$out/mla_peer.log"
   .gpu/tree_verify "$out/tree_verify.json" 2>&1 | tee "$out/tree_verify.log"
   .gpu/layer_decode --backend cuda --json "$out/layer_decode.json" 2>&1 | tee "$out/layer_decode.log"
 }
