@@ -10,16 +10,16 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cubecl::prelude::*;
 use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
-use kiln_kernels::mla::KvFormat;
+use kiln_kernels::mla::{KvFormat, MAX_DECODE_Q_LEN};
 use kiln_kernels::Precision;
 
 use crate::cache::CacheKind;
 use crate::metrics::Metrics;
-use crate::model::gpu::{GpuModel, KvPool};
+use crate::model::gpu::{Batch, GpuModel, KvPool, ModelError, RequestSlice};
 use crate::model::Checkpoint;
 use crate::scheduler::{policy, Scheduler, SchedulerConfig, Submission};
 
@@ -204,11 +204,44 @@ impl BackendVisitor for Runner {
         let cache = self.cfg.cache.build(page);
         let mut sched = Scheduler::new(sched_cfg, pages, cache, self.metrics.clone());
         let vocab = info.vocab_size;
+        if let Err(e) = warm_up(&model, &pool, page, pages) {
+            return fail(format!("warm-up step: {e}"));
+        }
         if self.ready.send(Ok(info)).is_err() {
             return;
         }
         run(&model, &pool, &mut sched, &self.requests, vocab);
     }
+}
+
+/// Runs a prefill and a decode step of one request on the pool's first pages before the
+/// server opens, so the first client does not wait while the kernels compile (about 2 s
+/// on llvmpipe, more on a busy machine). The pages stay free in the scheduler: no request
+/// reads a KV row it has not written itself.
+fn warm_up<R: Runtime>(
+    model: &GpuModel<R>,
+    pool: &KvPool,
+    page: usize,
+    pages: usize,
+) -> Result<(), ModelError> {
+    let start = Instant::now();
+    // Past the decode kernel's query length where the pool allows, so prefill runs too.
+    let prompt = (MAX_DECODE_Q_LEN + 1).min((pages * page).saturating_sub(1));
+    if prompt == 0 {
+        return Ok(());
+    }
+    let vocab = model.config.vocab_size as u32;
+    let block_table: Vec<u32> = (0..(prompt + 1).div_ceil(page) as u32).collect();
+    let slice = |tokens: Vec<u32>, kv_len| RequestSlice {
+        tokens,
+        kv_len,
+        block_table: block_table.clone(),
+    };
+    let prefill = (0..prompt as u32).map(|t| t % vocab).collect();
+    model.step(&Batch::last_logits(vec![slice(prefill, prompt)]), pool)?;
+    model.step(&Batch::last_logits(vec![slice(vec![0], prompt + 1)]), pool)?;
+    tracing::info!(ms = start.elapsed().as_millis() as u64, "kernels warmed up");
+    Ok(())
 }
 
 /// The engine loop: take new requests, drop cancelled ones, run a step, hand out its

@@ -77,7 +77,9 @@ fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
     let before = token_counters(&server);
     let (json, plot) = (dir.join("sweep.json"), dir.join("sweep.svg"));
     let plot_args = ["--plot", plot.to_str().unwrap()];
-    let sweep = ["--sweep", "1,2", "--duration", "4", "--think-scale", "0.01"];
+    // 8 s a point: on llvmpipe under load one cold 256-token prefill has taken 5.4 s, and a
+    // point needs a request with two or more output tokens for its per-user speed.
+    let sweep = ["--sweep", "1,2", "--duration", "8", "--think-scale", "0.01"];
     let out = bench(
         &server,
         &json,
@@ -108,7 +110,14 @@ fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
             p.concurrency,
             p.error_samples
         );
-        assert!(p.ttft_s.is_some() && p.e2e_s.is_some() && p.output_tps_per_user.is_some());
+        assert!(
+            p.ttft_s.is_some() && p.e2e_s.is_some() && p.output_tps_per_user.is_some(),
+            "c={}: a metric is missing from {} requests of {} output tokens in {:.1} s",
+            p.concurrency,
+            p.requests,
+            p.completion_tokens,
+            p.elapsed_s
+        );
         assert!(p.tokens_per_min_per_gpu > 0.0 && p.output_tokens_per_min_per_gpu > 0.0);
         assert!(
             p.server_cache_hit_rate.is_some(),
