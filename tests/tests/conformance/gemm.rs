@@ -353,7 +353,12 @@ fn bad_gated_inputs_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
 
 /// Decode-sized shapes from Kimi-K2, pinned.
 fn kimi_decode_shapes<R: Runtime>(client: &ComputeClient<R>) {
-    for (m, n, k) in [(1, 512, 7168), (3, 7168, 256), (16, 96, 2048), (24, 64, 7168)] {
+    for (m, n, k) in [
+        (1, 512, 7168),
+        (3, 7168, 256),
+        (16, 96, 2048),
+        (24, 64, 7168),
+    ] {
         run_gemm::<R, f32>(client, &GemmCase::dense(m, n, k, 7), false)
             .unwrap()
             .assert_passed();
