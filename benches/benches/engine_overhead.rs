@@ -13,7 +13,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use kiln::cache::{PagePool, PrefixCache, RadixCache};
 use kiln::metrics::Metrics;
 use kiln::scheduler::{SamplingParams, Scheduler, SchedulerConfig, Submission};
-use kiln_reference::data::Rng;
+use kiln_core::rng::Rng;
 
 const PAGE: usize = 64;
 const SESSIONS: usize = 1000;

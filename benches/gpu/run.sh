@@ -32,7 +32,7 @@ bench() {
 case "${1:-}" in
   build)
     export CARGO_TARGET_DIR=target/cuda CUDARC_CUDA_VERSION=13000
-    cargo build --release -p kiln -p kiln-benches --no-default-features --features cuda
+    cargo build --release -p kiln-cli -p kiln-benches --no-default-features --features cuda
     mkdir -p .gpu
     cp "$(test_exe kiln-conformance conformance)" .gpu/conformance
     cp "$(test_exe kiln hf_conformance)" .gpu/hf_conformance

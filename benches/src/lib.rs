@@ -1,11 +1,13 @@
-//! Shared pieces of kiln's GPU benchmarks: the Kimi-K2 layer shape and its byte counts.
-use kiln_kernels::fill::Field;
-use kiln_kernels::mla::KvFormat;
-use kiln_reference::model::ModelConfig;
-
+//! Shared pieces of kiln's GPU benchmarks: the Kimi-K2 layer shape and its byte counts,
+//! device timing (`device_time`, CUDA) and the table-and-JSON report every binary prints.
 #[cfg(feature = "cuda")]
 pub mod device_time;
-use kiln_reference::rope::YarnConfig;
+pub mod report;
+
+use kiln_core::model::ModelConfig;
+use kiln_core::rope::YarnConfig;
+use kiln_kernels::fill::Field;
+use kiln_kernels::mla::KvFormat;
 
 /// Word `i` of a buffer filled on the device by `kiln_kernels::fill::fill_random_bits(seed,
 /// and_mask, or_mask)`, recomputed on the host (the same 32-bit hash), so a benchmark can

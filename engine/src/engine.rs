@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cubecl::prelude::*;
-use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
+use kiln_backends::{with_backend, BackendError, BackendKind, BackendVisitor, DeviceReport};
 use kiln_kernels::mla::{KvFormat, MAX_DECODE_Q_LEN};
 use kiln_kernels::Precision;
 
@@ -113,8 +113,23 @@ impl EngineHandle {
     }
 }
 
+/// Why the engine did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("starting the engine thread: {0}")]
+    Spawn(#[from] std::io::Error),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Load(ModelError),
+    #[error("warm-up step: {0}")]
+    WarmUp(ModelError),
+    #[error("the engine thread exited while loading")]
+    Exited,
+}
+
 /// Starts the engine thread for `ckpt`; returns once the model is on the device.
-pub fn start(cfg: EngineConfig, ckpt: Checkpoint) -> anyhow::Result<EngineHandle> {
+pub fn start(cfg: EngineConfig, ckpt: Checkpoint) -> Result<EngineHandle, StartError> {
     let (submit, requests) = mpsc::channel();
     let (ready_tx, ready) = mpsc::channel();
     let metrics = Arc::new(Metrics::default());
@@ -131,13 +146,10 @@ pub fn start(cfg: EngineConfig, ckpt: Checkpoint) -> anyhow::Result<EngineHandle
                 metrics: m,
             };
             if let Err(e) = with_backend(kind, runner) {
-                let _ = ready_tx.send(Err(e.to_string()));
+                let _ = ready_tx.send(Err(e.into()));
             }
         })?;
-    let info = ready
-        .recv()
-        .map_err(|_| anyhow::anyhow!("the engine thread exited while loading"))?
-        .map_err(anyhow::Error::msg)?;
+    let info = ready.recv().map_err(|_| StartError::Exited)??;
     Ok(EngineHandle {
         submit,
         info,
@@ -151,7 +163,7 @@ struct Runner {
     cfg: EngineConfig,
     ckpt: Checkpoint,
     requests: Receiver<Submission>,
-    ready: Sender<Result<ModelInfo, String>>,
+    ready: Sender<Result<ModelInfo, StartError>>,
     metrics: Arc<Metrics>,
 }
 
@@ -159,13 +171,13 @@ impl BackendVisitor for Runner {
     type Output = ();
 
     fn visit<R: Runtime>(self, client: ComputeClient<R>, report: DeviceReport) {
-        let fail = |e: String| {
+        let fail = |e: StartError| {
             let _ = self.ready.send(Err(e));
         };
         tracing::info!(device = %report.name, backend = ?report.backend, "loading the model");
         let model = match GpuModel::load_with(client, &self.ckpt, self.cfg.precision) {
             Ok(m) => m,
-            Err(e) => return fail(e.to_string()),
+            Err(e) => return fail(StartError::Load(e)),
         };
         let page = self.cfg.page_size;
         let row_bytes = (self.cfg.kv_format.words_per_row() * 4) as u64;
@@ -205,7 +217,7 @@ impl BackendVisitor for Runner {
         let mut sched = Scheduler::new(sched_cfg, pages, cache, self.metrics.clone());
         let vocab = info.vocab_size;
         if let Err(e) = warm_up(&model, &pool, page, pages) {
-            return fail(format!("warm-up step: {e}"));
+            return fail(StartError::WarmUp(e));
         }
         if self.ready.send(Ok(info)).is_err() {
             return;

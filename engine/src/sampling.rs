@@ -2,7 +2,7 @@
 //! lower id) or a draw from `softmax(logits / temperature)`, restricted to the nucleus
 //! (the most probable tokens whose probabilities reach `top_p`), with a seeded generator so
 //! a run is reproducible.
-use kiln_reference::data::Rng;
+use kiln_core::rng::Rng;
 
 /// The next token of one logits row.
 pub fn sample(logits: &[f32], temperature: f32, top_p: f32, rng: &mut Rng) -> u32 {

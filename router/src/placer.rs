@@ -15,7 +15,7 @@ use crate::decisions::{least_loaded, needs_split, plan_rebalance, ReplicaLoad};
 use crate::hashing::{hash_bytes, rendezvous_pick};
 use crate::policy::{KilnParams, PolicyName};
 use crate::session::SessionKey;
-use kiln_reference::data::Rng;
+use kiln_core::rng::Rng;
 use std::collections::BTreeMap;
 
 /// Why a request went where it went.

@@ -14,16 +14,7 @@
 //! (the output is left out), against the 4.30 TB/s copy ceiling. Prints a table and writes
 //! JSON to the path given as the first argument.
 
-#[cfg(feature = "cuda")]
-fn main() -> anyhow::Result<()> {
-    decode::run()
-}
-
-#[cfg(not(feature = "cuda"))]
-fn main() {
-    eprintln!("gemm_decode compares with cuBLAS: build with --features cuda");
-    std::process::exit(2);
-}
+kiln_benches::cuda_main!(decode::run, "compares with cuBLAS");
 
 #[cfg(feature = "cuda")]
 mod decode {
@@ -36,6 +27,7 @@ mod decode {
     use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
     use half::bf16;
     use kiln_benches::device_time::{median, Client, SpinTimer, REPS};
+    use kiln_benches::report::{fixed, report};
     use kiln_benches::HBM_BYTES_PER_S;
     use kiln_kernels::gemm::{bf16_gemm, nvfp4_gemm, Bf16Weights, Nvfp4Weights};
     use kiln_kernels::{DeviceArray, Precision};
@@ -335,50 +327,44 @@ mod decode {
                 }
             }
         }
-        print_table(&rows);
-        if let Some(path) = std::env::args().nth(1) {
-            std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
-        }
-        Ok(())
+        report(
+            &[
+                ("W", 6),
+                ("M", 5),
+                ("N", 6),
+                ("K", 6),
+                ("kiln us", 10),
+                ("TB/s", 6),
+                ("%copy", 6),
+                ("TFLOP/s", 7),
+                ("cuBLAS us", 10),
+                ("TB/s", 6),
+                ("TFLOP/s", 7),
+                ("speedup", 8),
+            ],
+            &rows,
+            |r| {
+                vec![
+                    r.weights.to_string(),
+                    r.m.to_string(),
+                    r.n.to_string(),
+                    r.k.to_string(),
+                    fixed(r.kiln_us, 2),
+                    fixed(r.kiln_tbps, 2),
+                    fixed(r.kiln_frac_of_copy * 100.0, 1),
+                    fixed(r.kiln_tflops, 1),
+                    fixed(r.cublas_bf16_us, 2),
+                    fixed(r.cublas_bf16_tbps, 2),
+                    fixed(r.cublas_bf16_tflops, 1),
+                    fixed(r.speedup_over_cublas_bf16, 2),
+                ]
+            },
+            std::env::args().nth(1),
+        )
     }
 
     /// Seconds for the GEMM's FLOPs at `rate` FLOP/s (a launch-count estimate).
     fn flops_s(m: usize, n: usize, k: usize, rate: f64) -> f64 {
         2.0 * (m * n * k) as f64 / rate
-    }
-
-    fn print_table(rows: &[Row]) {
-        println!(
-            "{:<6} {:>5} {:>6} {:>6} {:>10} {:>6} {:>6} {:>7} {:>10} {:>6} {:>7} {:>8}",
-            "W",
-            "M",
-            "N",
-            "K",
-            "kiln us",
-            "TB/s",
-            "%copy",
-            "TFLOP/s",
-            "cuBLAS us",
-            "TB/s",
-            "TFLOP/s",
-            "speedup"
-        );
-        for r in rows {
-            println!(
-                "{:<6} {:>5} {:>6} {:>6} {:>10.2} {:>6.2} {:>6.1} {:>7.1} {:>10.2} {:>6.2} {:>7.1} {:>8.2}",
-                r.weights,
-                r.m,
-                r.n,
-                r.k,
-                r.kiln_us,
-                r.kiln_tbps,
-                r.kiln_frac_of_copy * 100.0,
-                r.kiln_tflops,
-                r.cublas_bf16_us,
-                r.cublas_bf16_tbps,
-                r.cublas_bf16_tflops,
-                r.speedup_over_cublas_bf16
-            );
-        }
     }
 }

@@ -5,16 +5,7 @@
 //! reports GB/s of weights + activations, the fraction of 4.3 TB/s, and the time ratio.
 //! CUDA only.
 
-#[cfg(feature = "cuda")]
-fn main() -> anyhow::Result<()> {
-    peer::run()
-}
-
-#[cfg(not(feature = "cuda"))]
-fn main() {
-    eprintln!("gemm_peer compares with cuBLAS: build with --features cuda");
-    std::process::exit(2);
-}
+kiln_benches::cuda_main!(peer::run, "compares with cuBLAS");
 
 #[cfg(feature = "cuda")]
 mod peer {
@@ -25,6 +16,7 @@ mod peer {
     use cudarc::cublas::{CudaBlas, Gemm};
     use cudarc::driver::CudaContext;
     use half::bf16;
+    use kiln_benches::report::{fixed, report};
     use kiln_benches::HBM_BYTES_PER_S;
     use kiln_kernels::gemm::{bf16_gemm, Bf16Weights};
     use kiln_kernels::{DeviceArray, Precision};
@@ -141,40 +133,38 @@ mod peer {
                 });
             }
         }
-        println!(
-            "{:<12} {:>3} {:>6} {:>6} {:>10} {:>10} {:>9} {:>6} {:>9} {:>6} {:>8}",
-            "projection",
-            "M",
-            "N",
-            "K",
-            "kiln us",
-            "cuBLAS us",
-            "kiln GB/s",
-            "%peak",
-            "cuBLAS",
-            "%peak",
-            "ratio"
-        );
-        for r in &rows {
-            println!(
-                "{:<12} {:>3} {:>6} {:>6} {:>10.1} {:>10.1} {:>9.0} {:>6.1} {:>9.0} {:>6.1} {:>8.1}",
-                r.name,
-                r.m,
-                r.n,
-                r.k,
-                r.kiln_us,
-                r.cublas_us,
-                r.kiln_gbps,
-                r.kiln_gbps * 1e9 / HBM_BYTES_PER_S * 100.0,
-                r.cublas_gbps,
-                r.cublas_gbps * 1e9 / HBM_BYTES_PER_S * 100.0,
-                r.kiln_over_cublas
-            );
-        }
-        if let Some(path) = std::env::args().nth(1) {
-            std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
-        }
-        Ok(())
+        report(
+            &[
+                ("projection", 12),
+                ("M", 3),
+                ("N", 6),
+                ("K", 6),
+                ("kiln us", 10),
+                ("cuBLAS us", 10),
+                ("kiln GB/s", 9),
+                ("%peak", 6),
+                ("cuBLAS", 9),
+                ("%peak", 6),
+                ("ratio", 8),
+            ],
+            &rows,
+            |r| {
+                vec![
+                    r.name.to_string(),
+                    r.m.to_string(),
+                    r.n.to_string(),
+                    r.k.to_string(),
+                    fixed(r.kiln_us, 1),
+                    fixed(r.cublas_us, 1),
+                    fixed(r.kiln_gbps, 0),
+                    fixed(r.kiln_gbps * 1e9 / HBM_BYTES_PER_S * 100.0, 1),
+                    fixed(r.cublas_gbps, 0),
+                    fixed(r.cublas_gbps * 1e9 / HBM_BYTES_PER_S * 100.0, 1),
+                    fixed(r.kiln_over_cublas, 1),
+                ]
+            },
+            std::env::args().nth(1),
+        )
     }
 
     fn time(mut f: impl FnMut()) -> f64 {

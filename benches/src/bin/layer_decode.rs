@@ -13,6 +13,7 @@ use clap::Parser;
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, KvPool, RequestSlice};
 use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
+use kiln_benches::report::{fixed, report};
 use kiln_benches::{floor_seconds, fp8_kv_scales, kimi_k2_layers};
 use kiln_kernels::fill::{fill_random_bits, fill_random_records};
 use kiln_kernels::mla::KvFormat;
@@ -212,38 +213,36 @@ fn main() -> anyhow::Result<()> {
     let kind = BackendKind::choose(args.backend.as_deref())?;
     let json = args.json.clone();
     let points = with_backend(kind, Bench { args })??;
-    println!(
-        "{:<8} {:>6} {:>8} {:>11} {:>10} {:>8} {:>9} {:>10} {:>12} {:>9} {:>9}",
-        "kind",
-        "batch",
-        "context",
-        "layer ms",
-        "floor ms",
-        "x floor",
-        "GB",
-        "GB/s",
-        "tokens/s",
-        "launches",
-        "issue ms"
-    );
-    for p in &points {
-        println!(
-            "{:<8} {:>6} {:>8} {:>11.3} {:>10.3} {:>8.1} {:>9.2} {:>10.1} {:>12.1} {:>9.0} {:>9.3}",
-            p.kind,
-            p.batch,
-            p.context,
-            p.layer_ms,
-            p.floor_ms,
-            p.floor_ratio,
-            p.bytes_gb,
-            p.achieved_gbps,
-            p.tokens_per_s,
-            p.launches,
-            p.issue_ms
-        );
-    }
-    if let Some(path) = json {
-        std::fs::write(&path, serde_json::to_string_pretty(&points)?)?;
-    }
-    Ok(())
+    report(
+        &[
+            ("kind", 8),
+            ("batch", 6),
+            ("context", 8),
+            ("layer ms", 11),
+            ("floor ms", 10),
+            ("x floor", 8),
+            ("GB", 9),
+            ("GB/s", 10),
+            ("tokens/s", 12),
+            ("launches", 9),
+            ("issue ms", 9),
+        ],
+        &points,
+        |p| {
+            vec![
+                p.kind.to_string(),
+                p.batch.to_string(),
+                p.context.to_string(),
+                fixed(p.layer_ms, 3),
+                fixed(p.floor_ms, 3),
+                fixed(p.floor_ratio, 1),
+                fixed(p.bytes_gb, 2),
+                fixed(p.achieved_gbps, 1),
+                fixed(p.tokens_per_s, 1),
+                fixed(p.launches, 0),
+                fixed(p.issue_ms, 3),
+            ]
+        },
+        json,
+    )
 }

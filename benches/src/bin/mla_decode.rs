@@ -16,16 +16,7 @@
 //! fp8) / time, against the 4.30 TB/s copy ceiling; FLOPs = 2 * heads * q * (576 + 512) per
 //! visible KV row. Prints a table, writes JSON to the first argument.
 
-#[cfg(feature = "cuda")]
-fn main() -> anyhow::Result<()> {
-    decode::run()
-}
-
-#[cfg(not(feature = "cuda"))]
-fn main() {
-    eprintln!("mla_decode times the CUDA tensor-core kernel: build with --features cuda");
-    std::process::exit(2);
-}
+kiln_benches::cuda_main!(decode::run, "times the CUDA tensor-core kernel");
 
 #[cfg(feature = "cuda")]
 mod decode {
@@ -34,6 +25,7 @@ mod decode {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cubecl::prelude::*;
     use kiln_benches::device_time::{Client, SpinTimer};
+    use kiln_benches::report::{fixed, report};
     use kiln_benches::{fill_word, fp8_kv_scales, HBM_BYTES_PER_S};
     use kiln_kernels::fill::{fill_random_bits, fill_random_records};
     use kiln_kernels::mla::{self, AttnMetadata, KvFormat, PagedKvCache};
@@ -388,33 +380,37 @@ mod decode {
             eprintln!("done prefill q={q_len} ctx={ctx}: {:.1} us", p.us);
             points.push(p);
         }
-        print_table(&points);
-        if let Some(path) = std::env::args().nth(1) {
-            std::fs::write(path, serde_json::to_string_pretty(&points)?)?;
-        }
-        Ok(())
-    }
-
-    fn print_table(points: &[Point]) {
-        println!(
-            "{:<5} {:>3} {:>3} {:>3} {:>7} {:>9} {:>6} {:>6} {:>7} {:>10} {:>8}",
-            "kv", "H", "B", "q", "ctx", "us", "TB/s", "%copy", "TFLOP/s", "tok/s", "err/tol"
-        );
-        for p in points {
-            println!(
-                "{:<5} {:>3} {:>3} {:>3} {:>7} {:>9.1} {:>6.2} {:>6.1} {:>7.1} {:>10.0} {:>8.3}",
-                p.kv,
-                p.heads,
-                p.batch,
-                p.q_len,
-                p.context,
-                p.us,
-                p.tbps,
-                p.frac_of_copy * 100.0,
-                p.tflops,
-                p.tokens_per_s,
-                p.max_err_over_allowed
-            );
-        }
+        report(
+            &[
+                ("kv", 5),
+                ("H", 3),
+                ("B", 3),
+                ("q", 3),
+                ("ctx", 7),
+                ("us", 9),
+                ("TB/s", 6),
+                ("%copy", 6),
+                ("TFLOP/s", 7),
+                ("tok/s", 10),
+                ("err/tol", 8),
+            ],
+            &points,
+            |p| {
+                vec![
+                    p.kv.to_string(),
+                    p.heads.to_string(),
+                    p.batch.to_string(),
+                    p.q_len.to_string(),
+                    p.context.to_string(),
+                    fixed(p.us, 1),
+                    fixed(p.tbps, 2),
+                    fixed(p.frac_of_copy * 100.0, 1),
+                    fixed(p.tflops, 1),
+                    fixed(p.tokens_per_s, 0),
+                    fixed(p.max_err_over_allowed, 3),
+                ]
+            },
+            std::env::args().nth(1),
+        )
     }
 }

@@ -14,16 +14,7 @@
 //! 4.30 TB/s copy ceiling; the target is >= 75%.
 //! Prints a table, writes JSON to the first argument.
 
-#[cfg(feature = "cuda")]
-fn main() -> anyhow::Result<()> {
-    moe::run()
-}
-
-#[cfg(not(feature = "cuda"))]
-fn main() {
-    eprintln!("moe_grouped times the CUDA kernels: build with --features cuda");
-    std::process::exit(2);
-}
+kiln_benches::cuda_main!(moe::run, "times the CUDA kernels");
 
 #[cfg(feature = "cuda")]
 mod moe {
@@ -34,6 +25,7 @@ mod moe {
     use cubecl::prelude::*;
     use half::bf16;
     use kiln_benches::device_time::{Client, SpinTimer};
+    use kiln_benches::report::{fixed, report};
     use kiln_benches::{fill_word, HBM_BYTES_PER_S};
     use kiln_kernels::activation::silu_mul;
     use kiln_kernels::fill::fill_random_bits;
@@ -263,28 +255,33 @@ mod moe {
                 eprintln!("done {name} tokens={tokens}: {:.1} us", s * 1e6);
             }
         }
-        println!(
-            "{:<8} {:>6} {:>6} {:>8} {:>10} {:>12} {:>9} {:>8} {:>6}",
-            "proj", "tokens", "rows", "experts", "us", "separate us", "floor us", "GB/s", "%copy"
-        );
-        for p in &points {
-            let separate = p.separate_us.map_or("-".into(), |us| format!("{us:.1}"));
-            println!(
-                "{:<8} {:>6} {:>6} {:>8} {:>10.1} {:>12} {:>9.1} {:>8.0} {:>6.1}",
-                p.projection,
-                p.tokens,
-                p.rows,
-                p.experts_touched,
-                p.us,
-                separate,
-                p.floor_us,
-                p.gbps,
-                p.frac_of_copy * 100.0
-            );
-        }
-        if let Some(path) = std::env::args().nth(1) {
-            std::fs::write(path, serde_json::to_string_pretty(&points)?)?;
-        }
-        Ok(())
+        report(
+            &[
+                ("proj", 8),
+                ("tokens", 6),
+                ("rows", 6),
+                ("experts", 8),
+                ("us", 10),
+                ("separate us", 12),
+                ("floor us", 9),
+                ("GB/s", 8),
+                ("%copy", 6),
+            ],
+            &points,
+            |p| {
+                vec![
+                    p.projection.to_string(),
+                    p.tokens.to_string(),
+                    p.rows.to_string(),
+                    p.experts_touched.to_string(),
+                    fixed(p.us, 1),
+                    p.separate_us.map_or("-".into(), |us| fixed(us, 1)),
+                    fixed(p.floor_us, 1),
+                    fixed(p.gbps, 0),
+                    fixed(p.frac_of_copy * 100.0, 1),
+                ]
+            },
+            std::env::args().nth(1),
+        )
     }
 }

@@ -30,16 +30,7 @@
 //! Prints a table and writes JSON to the path given as the first argument; `OUT.json MODE
 //! BATCH NODES` (`greedy` or `stochastic`) runs that one point alone, e.g. for a profiler.
 
-#[cfg(feature = "cuda")]
-fn main() -> anyhow::Result<()> {
-    tree::run()
-}
-
-#[cfg(not(feature = "cuda"))]
-fn main() {
-    eprintln!("tree_verify times device kernels on CUDA: build with --features cuda");
-    std::process::exit(2);
-}
+kiln_benches::cuda_main!(tree::run, "times device kernels on CUDA");
 
 #[cfg(feature = "cuda")]
 mod tree {
@@ -48,6 +39,7 @@ mod tree {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cubecl::prelude::*;
     use kiln_benches::device_time::{Client, SpinTimer};
+    use kiln_benches::report::{fixed, report};
     use kiln_benches::HBM_BYTES_PER_S;
     use kiln_kernels::tree_verify::{
         stochastic_split, verify_greedy, verify_stochastic_split, TreeBatch, Verdicts,
@@ -506,56 +498,50 @@ mod tree {
             );
             rows.push(row);
         }
-        print_table(&rows);
-        if let Some(path) = args.get(1) {
-            std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
-        }
-        Ok(())
-    }
-
-    fn print_table(rows: &[Row]) {
-        println!(
-            "{:<10} {:>3} {:>5} {:>9} {:>5} {:>9} {:>9} {:>7} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8}",
-            "mode",
-            "B",
-            "nodes",
-            "us",
-            "cubes",
-            "1-cube us",
-            "floor us",
-            "xfloor",
-            "target",
-            "accept",
-            "reject",
-            "floor MB",
-            "read MB",
-            "maxreqMB",
-            "maxreqRd"
-        );
-        for r in rows {
-            let target = match r.meets_target {
-                Some(true) => "met",
-                Some(false) => "MISSED",
-                None => "-",
-            };
-            println!(
-                "{:<10} {:>3} {:>5} {:>9.2} {:>5} {:>9} {:>9.3} {:>7.2} {:>6} {:>6.2} {:>6.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
-                r.mode,
-                r.batch,
-                r.nodes,
-                r.us,
-                r.cubes,
-                r.one_cube_us.map_or("-".into(), |u| format!("{u:.2}")),
-                r.floor_us,
-                r.ratio_to_floor,
-                target,
-                r.mean_accept_len,
-                r.mean_rejections,
-                r.floor_bytes / 1e6,
-                r.streamed_bytes / 1e6,
-                r.max_request_bytes / 1e6,
-                r.max_request_streamed_bytes / 1e6
-            );
-        }
+        report(
+            &[
+                ("mode", 10),
+                ("B", 3),
+                ("nodes", 5),
+                ("us", 9),
+                ("cubes", 5),
+                ("1-cube us", 9),
+                ("floor us", 9),
+                ("xfloor", 7),
+                ("target", 6),
+                ("accept", 6),
+                ("reject", 6),
+                ("floor MB", 8),
+                ("read MB", 8),
+                ("maxreqMB", 8),
+                ("maxreqRd", 8),
+            ],
+            &rows,
+            |r| {
+                let target = match r.meets_target {
+                    Some(true) => "met",
+                    Some(false) => "MISSED",
+                    None => "-",
+                };
+                vec![
+                    r.mode.to_string(),
+                    r.batch.to_string(),
+                    r.nodes.to_string(),
+                    fixed(r.us, 2),
+                    r.cubes.to_string(),
+                    r.one_cube_us.map_or("-".into(), |u| fixed(u, 2)),
+                    fixed(r.floor_us, 3),
+                    fixed(r.ratio_to_floor, 2),
+                    target.to_string(),
+                    fixed(r.mean_accept_len, 2),
+                    fixed(r.mean_rejections, 2),
+                    fixed(r.floor_bytes / 1e6, 2),
+                    fixed(r.streamed_bytes / 1e6, 2),
+                    fixed(r.max_request_bytes / 1e6, 2),
+                    fixed(r.max_request_streamed_bytes / 1e6, 2),
+                ]
+            },
+            args.get(1),
+        )
     }
 }

@@ -9,7 +9,7 @@
 //! means against it exactly rather than against the unclamped parameter.
 //!
 //! Invariants: samples are finite and in `[min, max]`; `sigma = 0` is a constant.
-use kiln_reference::data::Rng;
+use kiln_core::rng::Rng;
 use serde::{Deserialize, Serialize};
 
 /// A clamped log-normal distribution, parametrised by the mean before clamping.

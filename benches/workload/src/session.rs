@@ -18,7 +18,7 @@ use crate::dist::Dist;
 use crate::error::WorkloadError;
 use crate::params::{TokenRange, WorkloadParams};
 use crate::tokens::{push_span_ids, SpanKey};
-use kiln_reference::data::Rng;
+use kiln_core::rng::Rng;
 use serde::{Deserialize, Serialize};
 
 /// What the new input of a turn is.

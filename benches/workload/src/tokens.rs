@@ -12,7 +12,7 @@
 //! survives, while token counts are only approximate (the server's `usage` is what the
 //! metrics use).
 use crate::params::TokenRange;
-use kiln_reference::data::Rng;
+use kiln_core::rng::Rng;
 use serde::{Deserialize, Serialize};
 
 /// What a span of tokens is; the key its ids derive from.

@@ -37,7 +37,7 @@ pub trait PrefixCache: Send {
 }
 
 /// Which prefix cache to run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CacheKind {
     /// The radix tree (default).
     Radix,

@@ -6,8 +6,8 @@
 //! `quantization_config` may sit at either level. Field names are HF's.
 use std::path::Path;
 
-use kiln_reference::model::ModelConfig;
-use kiln_reference::rope::YarnConfig;
+use kiln_core::model::ModelConfig;
+use kiln_core::rope::YarnConfig;
 use serde::Deserialize;
 
 use super::weights::LoadError;

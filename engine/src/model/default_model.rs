@@ -7,13 +7,13 @@
 //! outputs mean nothing; its shapes and formats are the real model's, MLA dims included.
 use std::path::{Path, PathBuf};
 
-use kiln_reference::data::Rng;
-use kiln_reference::formats::bf16_encode;
-use kiln_reference::model::weight_shapes;
+use kiln_core::formats::bf16_encode;
+use kiln_core::rng::Rng;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
 use super::tokenizer::TextCodec;
+use super::weights::needed_tensors;
 use super::ModelSpec;
 
 /// The name the default model is served under.
@@ -51,9 +51,10 @@ pub fn write(dir: &Path) -> std::io::Result<()> {
     let spec = ModelSpec::from_json(CONFIG).expect("the embedded config parses");
     let cfg = &spec.arch;
     let mut rng = Rng::new(0x6b69_6c6e);
-    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = weight_shapes(cfg)
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = needed_tensors(cfg)
         .into_iter()
-        .map(|(name, shape)| {
+        .map(|t| {
+            let (name, shape) = (t.name, t.shape);
             let values = init(&name, &shape, cfg.hidden_size, &mut rng);
             let bytes = values
                 .iter()

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kiln_reference::data::Rng;
+use kiln_core::rng::Rng;
 use tokio::sync::mpsc::UnboundedSender;
 
 /// How to pick tokens and when to stop.

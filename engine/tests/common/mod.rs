@@ -1,7 +1,6 @@
 //! Writes small but complete DeepSeek-V3 checkpoints in each weight format the loader takes,
 //! so loading tests run on real safetensors files made by the tests themselves.
 #![allow(dead_code)]
-pub mod server;
 use std::collections::BTreeMap;
 use std::path::Path;
 

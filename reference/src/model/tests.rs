@@ -2,6 +2,7 @@ use super::*;
 use crate::data::Rng;
 use crate::gemm::gemm_nt;
 use crate::norm::rmsnorm;
+use crate::rope::YarnConfig;
 
 fn tiny(q_lora_rank: Option<usize>, tie_word_embeddings: bool) -> ModelConfig {
     ModelConfig {

@@ -18,7 +18,7 @@ use super::SimConfig;
 use crate::placer::{Placer, Scraped};
 use crate::policy::PolicyName;
 use crate::session::{session_key, SessionKey};
-use kiln_reference::data::Rng;
+use kiln_core::rng::Rng;
 use kiln_workload::session::{Session, SessionGenerator};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};

@@ -7,6 +7,7 @@
 //! and the shared-memory reduction. On CUDA, NVFP4 weights whose shape tiles (N % 16, K % 64)
 //! are re-laid out into MMA fragments at upload and decode GEMMs over them (and over bf16
 //! with K % 64) take the tensor-core GEMV.
+use crate::cases::reports_pass;
 use cubecl::prelude::*;
 use half::bf16;
 use kiln_conformance::gemm::{run_gemm, upload_weights, GemmCase};
@@ -20,7 +21,6 @@ use kiln_kernels::{DeviceArray, KernelError, Precision};
 use kiln_reference::data::Rng;
 use kiln_reference::nvfp4::Nvfp4Matrix;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 
 fn dense_cases() -> impl Strategy<Value = GemmCase> {
     (1usize..=9, 1usize..=70, 1usize..=12, any::<u64>())
@@ -40,29 +40,19 @@ fn grouped_cases() -> impl Strategy<Value = GemmCase> {
         .prop_map(|(rows, n, blocks, seed)| GemmCase::grouped(rows, n, blocks * 16, seed))
 }
 
-fn run_cases<R: Runtime, F: Activation>(
+fn gemm_cases<R: Runtime, F: Activation>(
     client: &ComputeClient<R>,
     strategy: impl Strategy<Value = GemmCase>,
 ) {
-    let mut runner = TestRunner::new(Config {
-        cases: 24,
-        ..Config::default()
-    });
-    runner
-        .run(&strategy, |case| {
-            let report = run_gemm::<R, F>(client, &case, false).expect("valid case launches");
-            prop_assert!(report.passed, "{case:?}: {}", report.detail);
-            Ok(())
-        })
-        .unwrap();
+    reports_pass(24, &strategy, |case| run_gemm::<R, F>(client, case, false));
 }
 
 fn dense<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
-    run_cases::<R, F>(client, dense_cases());
+    gemm_cases::<R, F>(client, dense_cases());
 }
 
 fn grouped<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
-    run_cases::<R, F>(client, grouped_cases());
+    gemm_cases::<R, F>(client, grouped_cases());
 }
 
 /// bf16 weights, dense and grouped: K only needs to be even, so odd multiples of 2 are
@@ -70,12 +60,12 @@ fn grouped<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
 fn bf16_weights<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
     let dense = (1usize..=9, 1usize..=70, 1usize..=100, any::<u64>())
         .prop_map(|(m, n, half_k, seed)| GemmCase::bf16(m, n, 2 * half_k, seed));
-    run_cases::<R, F>(client, dense);
+    gemm_cases::<R, F>(client, dense);
     let grouped = grouped_cases().prop_map(|c| GemmCase {
         format: WeightFormat::Bf16,
         ..c
     });
-    run_cases::<R, F>(client, grouped);
+    gemm_cases::<R, F>(client, grouped);
 }
 
 /// Shapes for the tiled kernel (CUDA tensor cores; the portable kernel elsewhere): M past
@@ -156,7 +146,7 @@ fn tiled_weight_shapes<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
         .prop_map(|(m, tiles, chunks, bf16, seed)| {
             with_bf16_weights(GemmCase::dense(m, 16 * tiles, 64 * chunks, seed), bf16)
         });
-    run_cases::<R, F>(client, dense);
+    gemm_cases::<R, F>(client, dense);
     let grouped = (
         prop::collection::vec(0usize..=40, 1..=5),
         1usize..=4,
@@ -170,7 +160,7 @@ fn tiled_weight_shapes<R: Runtime, F: Activation>(client: &ComputeClient<R>) {
         .prop_map(|(rows, tiles, chunks, bf16, seed)| {
             with_bf16_weights(GemmCase::grouped(rows, 16 * tiles, 64 * chunks, seed), bf16)
         });
-    run_cases::<R, F>(client, grouped);
+    gemm_cases::<R, F>(client, grouped);
 }
 
 /// `case` with bf16 weights instead of NVFP4 when `bf16`.
@@ -278,7 +268,7 @@ fn gated_pairs_match_the_reference<R: Runtime, F: Activation>(client: &ComputeCl
             };
             case.gated()
         });
-    run_cases::<R, F>(client, gemv_dense);
+    gemm_cases::<R, F>(client, gemv_dense);
     let gemv_grouped = (
         prop::collection::vec(0usize..=12, 1..=6),
         1usize..=4,
@@ -293,9 +283,9 @@ fn gated_pairs_match_the_reference<R: Runtime, F: Activation>(client: &ComputeCl
             let case = GemmCase::grouped(rows, 16 * tiles, 64 * steps, seed);
             with_bf16_weights(case, bf16).gated()
         });
-    run_cases::<R, F>(client, gemv_grouped);
-    run_cases::<R, F>(client, dense_cases().prop_map(GemmCase::gated));
-    run_cases::<R, F>(client, grouped_cases().prop_map(GemmCase::gated));
+    gemm_cases::<R, F>(client, gemv_grouped);
+    gemm_cases::<R, F>(client, dense_cases().prop_map(GemmCase::gated));
+    gemm_cases::<R, F>(client, grouped_cases().prop_map(GemmCase::gated));
     // 104 and 123 rows over 5 experts: the GEMV's runs of 3 and 4 token groups.
     for (i, rows) in [vec![30, 25, 0, 32, 17], vec![32, 31, 28, 0, 32]]
         .into_iter()

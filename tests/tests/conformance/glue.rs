@@ -1,6 +1,7 @@
 //! The model's glue kernels (RMSNorm with and without the fused residual add, SwiGLU's
 //! activation, embedding lookup, YaRN RoPE) against the reference, on every backend, with
 //! proptest over odd sizes and values with outliers.
+use crate::cases::run_cases;
 use cubecl::prelude::*;
 use kiln_kernels::activation::silu_mul;
 use kiln_kernels::embedding::embedding;
@@ -15,55 +16,46 @@ use kiln_reference::norm;
 use kiln_reference::rope::{apply_interleaved, cos_sin_scale, inv_freq, YarnConfig};
 use kiln_reference::tolerance::{compare, rope_allowed, swiglu_allowed, DType, Tolerance};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
-
-fn runner() -> TestRunner {
-    TestRunner::new(Config {
-        cases: 24,
-        ..Config::default()
-    })
-}
 
 /// `rows x cols` RMSNorm, plain and fused with a residual add: odd and vector-sized rows,
 /// and rows long enough that every unit handles several vectors (Kimi's 7168) or scalars.
 fn rmsnorm_rows<R: Runtime>(client: &ComputeClient<R>) {
     let cols = prop_oneof![1usize..=300, prop::sample::select(vec![4097usize, 7168])];
-    runner()
-        .run(
-            &(1usize..=6, cols, any::<u64>(), any::<bool>()),
-            |(rows, cols, seed, fused)| {
-                let mut rng = Rng::new(seed);
-                let x = normal_with_outliers(&mut rng, rows * cols, 1.0);
-                let delta = normal_with_outliers(&mut rng, rows * cols, 0.5);
-                let w = normal_with_outliers(&mut rng, cols, 1.0);
-                let (x_dev, w_dev) = (
-                    DeviceArray::upload(client, &x),
-                    DeviceArray::upload(client, &w),
-                );
-                let out = DeviceArray::filled(client, rows * cols, f32::NAN);
-                let input: Vec<f32> = if fused {
-                    let d = DeviceArray::upload(client, &delta);
-                    add_rmsnorm(client, &x_dev, &d, rows, &w_dev, 1e-6, &out).unwrap();
-                    let summed: Vec<f32> = x.iter().zip(&delta).map(|(a, b)| a + b).collect();
-                    prop_assert_eq!(x_dev.read(client), summed.clone(), "residual not updated");
-                    summed
-                } else {
-                    rmsnorm(client, &x_dev, rows, &w_dev, 1e-6, &out).unwrap();
-                    x.clone()
-                };
-                let expected = norm::rmsnorm(&input, &w, 1e-6);
-                let tol = Tolerance::dot(cols + 4, DType::F32, DType::F32);
-                let magnitude: Vec<f64> = expected.iter().map(|e| e.abs()).collect();
-                let cmp = compare(
-                    &out.read(client),
-                    &expected,
-                    &tol.allowed_all(&expected, &magnitude),
-                );
-                prop_assert!(cmp.passed(), "{rows}x{cols}: {cmp}");
-                Ok(())
-            },
-        )
-        .unwrap();
+    run_cases(
+        24,
+        &(1usize..=6, cols, any::<u64>(), any::<bool>()),
+        |(rows, cols, seed, fused)| {
+            let mut rng = Rng::new(seed);
+            let x = normal_with_outliers(&mut rng, rows * cols, 1.0);
+            let delta = normal_with_outliers(&mut rng, rows * cols, 0.5);
+            let w = normal_with_outliers(&mut rng, cols, 1.0);
+            let (x_dev, w_dev) = (
+                DeviceArray::upload(client, &x),
+                DeviceArray::upload(client, &w),
+            );
+            let out = DeviceArray::filled(client, rows * cols, f32::NAN);
+            let input: Vec<f32> = if fused {
+                let d = DeviceArray::upload(client, &delta);
+                add_rmsnorm(client, &x_dev, &d, rows, &w_dev, 1e-6, &out).unwrap();
+                let summed: Vec<f32> = x.iter().zip(&delta).map(|(a, b)| a + b).collect();
+                prop_assert_eq!(x_dev.read(client), summed.clone(), "residual not updated");
+                summed
+            } else {
+                rmsnorm(client, &x_dev, rows, &w_dev, 1e-6, &out).unwrap();
+                x.clone()
+            };
+            let expected = norm::rmsnorm(&input, &w, 1e-6);
+            let tol = Tolerance::dot(cols + 4, DType::F32, DType::F32);
+            let magnitude: Vec<f64> = expected.iter().map(|e| e.abs()).collect();
+            let cmp = compare(
+                &out.read(client),
+                &expected,
+                &tol.allowed_all(&expected, &magnitude),
+            );
+            prop_assert!(cmp.passed(), "{rows}x{cols}: {cmp}");
+            Ok(())
+        },
+    );
 }
 
 /// MLA's compressed KV rows: the 512 latent values normalised, the 64 rope values copied.
@@ -109,12 +101,11 @@ fn rmsnorm_prefix_of_kv_rows<R: Runtime>(client: &ComputeClient<R>) {
 fn silu_and_mul_rows<R: Runtime>(client: &ComputeClient<R>) {
     // Pinned: a gate far in the negative tail, whose sigmoid llvmpipe flushes to zero.
     silu_and_mul_case(client, 1, 103, 3694268016568392736).unwrap();
-    runner()
-        .run(
-            &(1usize..=5, 1usize..=200, any::<u64>()),
-            |(rows, inter, seed)| silu_and_mul_case(client, rows, inter, seed),
-        )
-        .unwrap();
+    run_cases(
+        24,
+        &(1usize..=5, 1usize..=200, any::<u64>()),
+        |(rows, inter, seed)| silu_and_mul_case(client, rows, inter, seed),
+    );
 }
 
 fn silu_and_mul_case<R: Runtime>(
@@ -149,41 +140,40 @@ fn silu_and_mul_case<R: Runtime>(
 }
 
 fn embedding_rows<R: Runtime>(client: &ComputeClient<R>) {
-    runner()
-        .run(
-            &(1usize..=40, 1usize..=150, 1usize..=9, any::<u64>()),
-            |(vocab, half_hidden, tokens, seed)| {
-                let hidden = 2 * half_hidden;
-                let mut rng = Rng::new(seed);
-                let table: Vec<u16> = normal_with_outliers(&mut rng, vocab * hidden, 1.0)
-                    .iter()
-                    .map(|&v| bf16_encode(v))
-                    .collect();
-                let ids: Vec<u32> = (0..tokens).map(|_| rng.below(vocab) as u32).collect();
-                let out = DeviceArray::filled(client, tokens * hidden, f32::NAN);
-                let table_dev = DeviceArray::upload(client, &pack_u16_words(&table));
-                embedding(
-                    client,
-                    &table_dev,
-                    vocab,
-                    hidden,
-                    &DeviceArray::upload(client, &ids),
-                    &out,
-                )
-                .unwrap();
-                let expected: Vec<f32> = ids
-                    .iter()
-                    .flat_map(|&t| {
-                        table[t as usize * hidden..(t as usize + 1) * hidden]
-                            .iter()
-                            .map(|&b| bf16_decode(b))
-                    })
-                    .collect();
-                prop_assert_eq!(out.read(client), expected);
-                Ok(())
-            },
-        )
-        .unwrap();
+    run_cases(
+        24,
+        &(1usize..=40, 1usize..=150, 1usize..=9, any::<u64>()),
+        |(vocab, half_hidden, tokens, seed)| {
+            let hidden = 2 * half_hidden;
+            let mut rng = Rng::new(seed);
+            let table: Vec<u16> = normal_with_outliers(&mut rng, vocab * hidden, 1.0)
+                .iter()
+                .map(|&v| bf16_encode(v))
+                .collect();
+            let ids: Vec<u32> = (0..tokens).map(|_| rng.below(vocab) as u32).collect();
+            let out = DeviceArray::filled(client, tokens * hidden, f32::NAN);
+            let table_dev = DeviceArray::upload(client, &pack_u16_words(&table));
+            embedding(
+                client,
+                &table_dev,
+                vocab,
+                hidden,
+                &DeviceArray::upload(client, &ids),
+                &out,
+            )
+            .unwrap();
+            let expected: Vec<f32> = ids
+                .iter()
+                .flat_map(|&t| {
+                    table[t as usize * hidden..(t as usize + 1) * hidden]
+                        .iter()
+                        .map(|&b| bf16_decode(b))
+                })
+                .collect();
+            prop_assert_eq!(out.read(client), expected);
+            Ok(())
+        },
+    );
 }
 
 /// q-like rows (several heads per token, rope dims at an offset) and k-like rows, with
@@ -195,63 +185,60 @@ fn rope_rows<R: Runtime>(client: &ComputeClient<R>) {
         prop::sample::select(vec![(192usize, 128usize), (576, 512), (6, 2)]),
         any::<u64>(),
     );
-    runner()
-        .run(&strategy, |(tokens, heads, (stride, offset), seed)| {
-            let rope_dim = (stride - offset).min(64);
-            let cfg = YarnConfig::kimi_k2();
-            let mut rng = Rng::new(seed);
-            let x = normal_with_outliers(&mut rng, tokens * heads * stride, 1.0);
-            let positions: Vec<u32> = (0..tokens).map(|_| rng.below(100_000) as u32).collect();
-            let freqs: Vec<f32> = inv_freq(rope_dim, &cfg).iter().map(|&f| f as f32).collect();
-            let scale = cos_sin_scale(&cfg);
-            let x_dev = DeviceArray::upload(client, &x);
-            let layout = RopeLayout {
-                tokens,
-                rows_per_token: heads,
-                row_stride: stride,
-                offset,
-                rope_dim,
-            };
-            let pos_dev = DeviceArray::upload(client, &positions);
-            rope_inplace(
-                client,
-                &x_dev,
-                layout,
-                &pos_dev,
-                &DeviceArray::upload(client, &freqs),
-                scale as f32,
-            )
-            .unwrap();
-            let rope_part: Vec<f32> = x
-                .chunks(stride)
-                .flat_map(|r| r[offset..offset + rope_dim].to_vec())
-                .collect();
-            let pos_usize: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
-            let expected_rope = apply_interleaved(&rope_part, &pos_usize, rope_dim, &cfg);
-            let actual = x_dev.read(client);
-            let (mut got, mut want, mut allowed) = (Vec::new(), Vec::new(), Vec::new());
-            for (r, row) in actual.chunks(stride).enumerate() {
-                let pos = positions[r / heads] as usize;
-                for d in 0..stride {
-                    got.push(row[d]);
-                    if d >= offset && d < offset + rope_dim {
-                        let e = expected_rope[r * rope_dim + d - offset];
-                        let pair = (d - offset) / 2 * 2 + offset;
-                        let mag =
-                            (x[r * stride + pair].abs() + x[r * stride + pair + 1].abs()) as f64;
-                        want.push(e);
-                        allowed.push(rope_allowed(pos, mag, scale, e, DType::F32, DType::F32));
-                    } else {
-                        want.push(x[r * stride + d] as f64);
-                        allowed.push(0.0);
-                    }
+    run_cases(24, &strategy, |(tokens, heads, (stride, offset), seed)| {
+        let rope_dim = (stride - offset).min(64);
+        let cfg = YarnConfig::kimi_k2();
+        let mut rng = Rng::new(seed);
+        let x = normal_with_outliers(&mut rng, tokens * heads * stride, 1.0);
+        let positions: Vec<u32> = (0..tokens).map(|_| rng.below(100_000) as u32).collect();
+        let freqs: Vec<f32> = inv_freq(rope_dim, &cfg).iter().map(|&f| f as f32).collect();
+        let scale = cos_sin_scale(&cfg);
+        let x_dev = DeviceArray::upload(client, &x);
+        let layout = RopeLayout {
+            tokens,
+            rows_per_token: heads,
+            row_stride: stride,
+            offset,
+            rope_dim,
+        };
+        let pos_dev = DeviceArray::upload(client, &positions);
+        rope_inplace(
+            client,
+            &x_dev,
+            layout,
+            &pos_dev,
+            &DeviceArray::upload(client, &freqs),
+            scale as f32,
+        )
+        .unwrap();
+        let rope_part: Vec<f32> = x
+            .chunks(stride)
+            .flat_map(|r| r[offset..offset + rope_dim].to_vec())
+            .collect();
+        let pos_usize: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
+        let expected_rope = apply_interleaved(&rope_part, &pos_usize, rope_dim, &cfg);
+        let actual = x_dev.read(client);
+        let (mut got, mut want, mut allowed) = (Vec::new(), Vec::new(), Vec::new());
+        for (r, row) in actual.chunks(stride).enumerate() {
+            let pos = positions[r / heads] as usize;
+            for d in 0..stride {
+                got.push(row[d]);
+                if d >= offset && d < offset + rope_dim {
+                    let e = expected_rope[r * rope_dim + d - offset];
+                    let pair = (d - offset) / 2 * 2 + offset;
+                    let mag = (x[r * stride + pair].abs() + x[r * stride + pair + 1].abs()) as f64;
+                    want.push(e);
+                    allowed.push(rope_allowed(pos, mag, scale, e, DType::F32, DType::F32));
+                } else {
+                    want.push(x[r * stride + d] as f64);
+                    allowed.push(0.0);
                 }
             }
-            let cmp = compare(&got, &want, &allowed);
-            prop_assert!(cmp.passed(), "{cmp}");
-            Ok(())
-        })
-        .unwrap();
+        }
+        let cmp = compare(&got, &want, &allowed);
+        prop_assert!(cmp.passed(), "{cmp}");
+        Ok(())
+    });
 }
 
 /// Synthetic-model fill: every word obeys the masks, and the bits vary.

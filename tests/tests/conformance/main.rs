@@ -2,6 +2,7 @@
 //! every kernel against `kiln-reference` on every backend the crate is built with.
 //! Test names read `<family>::<backend>::<case>[::<dtype>]`.
 mod blackwell;
+mod cases;
 mod gemm;
 mod glue;
 mod mla;

@@ -1,6 +1,7 @@
 //! MLA attention conformance on every enabled backend: proptest over heads (odd), page
 //! sizes (1, odd, the kernel's chunk), ragged batches (q_len from 1 to the whole context,
 //! kv_len not a multiple of the page or chunk), both KV formats and both tilings.
+use crate::cases::{reports_pass, run_cases};
 use cubecl::prelude::*;
 use kiln_conformance::mla::{run_mla, AttnMode, MlaCase};
 use kiln_kernels::mla::{
@@ -19,7 +20,6 @@ use kiln_reference::norm;
 use kiln_reference::rope::{apply_interleaved, cos_sin_scale, inv_freq, YarnConfig};
 use kiln_reference::tolerance::{compare, rope_allowed, DType, Tolerance};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 
 fn formats() -> impl Strategy<Value = KvFormat> {
     prop_oneof![
@@ -57,26 +57,16 @@ fn cases(mode: AttnMode, max_q: usize) -> impl Strategy<Value = MlaCase> {
         })
 }
 
-fn run_cases<R: Runtime>(client: &ComputeClient<R>, strategy: impl Strategy<Value = MlaCase>) {
-    let mut runner = TestRunner::new(Config {
-        cases: 16,
-        ..Config::default()
-    });
-    runner
-        .run(&strategy, |case| {
-            let report = run_mla(client, &case, false).expect("valid case launches");
-            prop_assert!(report.passed, "{case:?}: {}", report.detail);
-            Ok(())
-        })
-        .unwrap();
+fn mla_cases<R: Runtime>(client: &ComputeClient<R>, strategy: impl Strategy<Value = MlaCase>) {
+    reports_pass(16, &strategy, |case| run_mla(client, case, false));
 }
 
 fn decode<R: Runtime>(client: &ComputeClient<R>) {
-    run_cases(client, cases(AttnMode::Decode, 5));
+    mla_cases(client, cases(AttnMode::Decode, 5));
 }
 
 fn prefill<R: Runtime>(client: &ComputeClient<R>) {
-    run_cases(client, cases(AttnMode::Prefill, 150));
+    mla_cases(client, cases(AttnMode::Prefill, 150));
 }
 
 /// Kimi's 64 heads over a few chunks, a draft-verification step of 16 query tokens, and
@@ -272,48 +262,42 @@ impl SlotCache {
 /// encodings (tiles of tiny and of huge values included); every other row keeps its
 /// contents.
 fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
-    let mut runner = TestRunner::new(Config {
-        cases: 16,
-        ..Config::default()
-    });
     let strategy = (1usize..=9, 1usize..=5, formats(), any::<u64>());
-    runner
-        .run(&strategy, |(tokens, spare, format, seed)| {
-            let mut rng = Rng::new(seed);
-            let target = SlotCache::new(client, &mut rng, tokens, spare, format);
-            let mut kv = normal_with_outliers(&mut rng, tokens * 576, 1.0);
-            kv[..64].iter_mut().for_each(|v| *v *= 1e-4); // codes deep in the E4M3 subnormals
-            kv[128..256].iter_mut().for_each(|v| *v *= 1e6); // a scale of 2^12 or more
-            write_kv(
-                client,
-                &DeviceArray::upload(client, &kv),
-                &target.slots(client),
-                &target.cache,
-            )
-            .unwrap();
-            for (t, row) in target.new_rows(client)?.iter().enumerate() {
-                let x = &kv[t * 576..(t + 1) * 576];
-                match format {
-                    KvFormat::F32 => {
-                        let want: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
-                        prop_assert_eq!(row.as_slice(), want.as_slice());
-                    }
-                    KvFormat::Bf16 => {
-                        for (i, &w) in row.iter().enumerate() {
-                            let want = bf16_encode(x[2 * i]) as u32
-                                | (bf16_encode(x[2 * i + 1]) as u32) << 16;
-                            prop_assert_eq!(w, want, "token {} word {}", t, i);
-                        }
-                    }
-                    KvFormat::Fp8 => {
-                        let bytes: Vec<u8> = row.iter().flat_map(|w| w.to_le_bytes()).collect();
-                        prop_assert_eq!(bytes, fp8_row_encode(x).to_vec(), "token {}", t);
+    run_cases(16, &strategy, |(tokens, spare, format, seed)| {
+        let mut rng = Rng::new(seed);
+        let target = SlotCache::new(client, &mut rng, tokens, spare, format);
+        let mut kv = normal_with_outliers(&mut rng, tokens * 576, 1.0);
+        kv[..64].iter_mut().for_each(|v| *v *= 1e-4); // codes deep in the E4M3 subnormals
+        kv[128..256].iter_mut().for_each(|v| *v *= 1e6); // a scale of 2^12 or more
+        write_kv(
+            client,
+            &DeviceArray::upload(client, &kv),
+            &target.slots(client),
+            &target.cache,
+        )
+        .unwrap();
+        for (t, row) in target.new_rows(client)?.iter().enumerate() {
+            let x = &kv[t * 576..(t + 1) * 576];
+            match format {
+                KvFormat::F32 => {
+                    let want: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
+                    prop_assert_eq!(row.as_slice(), want.as_slice());
+                }
+                KvFormat::Bf16 => {
+                    for (i, &w) in row.iter().enumerate() {
+                        let want =
+                            bf16_encode(x[2 * i]) as u32 | (bf16_encode(x[2 * i + 1]) as u32) << 16;
+                        prop_assert_eq!(w, want, "token {} word {}", t, i);
                     }
                 }
+                KvFormat::Fp8 => {
+                    let bytes: Vec<u8> = row.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    prop_assert_eq!(bytes, fp8_row_encode(x).to_vec(), "token {}", t);
+                }
             }
-            Ok(())
-        })
-        .unwrap();
+        }
+        Ok(())
+    });
 }
 
 /// Rows straight from the `kv_a` projection: the cache holds the reference's RMSNorm of the
@@ -322,97 +306,91 @@ fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
 /// tile scale, as a tile whose amax sits on a scale boundary may round either way); other
 /// rows keep their contents.
 fn normed_cache_writes<R: Runtime>(client: &ComputeClient<R>) {
-    let mut runner = TestRunner::new(Config {
-        cases: 16,
-        ..Config::default()
-    });
     let strategy = (1usize..=9, 1usize..=3, formats(), any::<u64>());
-    runner
-        .run(&strategy, |(tokens, spare, format, seed)| {
-            let mut rng = Rng::new(seed);
-            let target = SlotCache::new(client, &mut rng, tokens, spare, format);
-            let mut kv_a = normal_with_outliers(&mut rng, tokens * 576, 1.0);
-            kv_a[128..256].iter_mut().for_each(|v| *v *= 1e3); // one tile far above the rest
-            let norm = normal_with_outliers(&mut rng, 512, 1.0);
-            let positions: Vec<u32> = (0..tokens).map(|_| rng.below(200_000) as u32).collect();
-            let cfg = YarnConfig::kimi_k2();
-            let freqs: Vec<f32> = inv_freq(64, &cfg).iter().map(|&f| f as f32).collect();
-            let rope_scale = cos_sin_scale(&cfg);
-            let eps = 1e-6;
-            let (norm_dev, pos_dev) = (
-                DeviceArray::upload(client, &norm),
-                DeviceArray::upload(client, &positions),
-            );
-            let freqs_dev = DeviceArray::upload(client, &freqs);
-            let prep = KvRowPrep {
-                norm: &norm_dev,
-                eps,
-                rope: Rotation {
-                    positions: &pos_dev,
-                    inv_freq: &freqs_dev,
-                    scale: rope_scale as f32,
-                },
-            };
-            write_kv_normed(
-                client,
-                &DeviceArray::upload(client, &kv_a),
-                &prep,
-                &target.slots(client),
-                &target.cache,
-            )
-            .unwrap();
-            let chain = Tolerance::dot(512 + 4, DType::F32, DType::F32);
-            let (mut got, mut want, mut allowed) = (Vec::new(), Vec::new(), Vec::new());
-            for (t, row) in target.new_rows(client)?.iter().enumerate() {
-                let x = &kv_a[t * 576..(t + 1) * 576];
-                let latent = norm::rmsnorm(&x[..512], &norm, eps);
-                let pos = positions[t] as usize;
-                let rope = apply_interleaved(&x[512..], &[pos], 64, &cfg);
-                let stored: Vec<f32> = match format {
-                    KvFormat::F32 => row.iter().map(|&w| f32::from_bits(w)).collect(),
-                    KvFormat::Bf16 => row
-                        .iter()
-                        .flat_map(|&w| [bf16_decode(w as u16), bf16_decode((w >> 16) as u16)])
-                        .collect(),
-                    KvFormat::Fp8 => {
-                        let bytes: Vec<u8> = row.iter().flat_map(|w| w.to_le_bytes()).collect();
-                        fp8_row_decode(&bytes).to_vec()
-                    }
-                };
-                // (unit roundoff, absolute floor) of the stored latent and rope values.
-                let (latent_out, rope_out) = match format {
-                    KvFormat::F32 => ((0.0, 0.0), (0.0, 0.0)),
-                    KvFormat::Bf16 => (bf16_rounding(), bf16_rounding()),
-                    // fp8's floor is per tile, below.
-                    KvFormat::Fp8 => ((DType::E4M3.unit_roundoff(), 0.0), bf16_rounding()),
-                };
-                for (i, &e) in latent.iter().enumerate() {
-                    let err = chain.allowed(e, e.abs());
-                    let mut floor = latent_out.1;
-                    if format == KvFormat::Fp8 {
-                        let tile = &latent[i / 128 * 128..(i / 128 + 1) * 128];
-                        let amax = tile.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-                        // Half a subnormal step (2^-9 of the scale) at twice the scale.
-                        floor = fp8_tile_scale(amax as f32) as f64 * 2f64.powi(-9);
-                    }
-                    got.push(stored[i]);
-                    want.push(e);
-                    allowed.push(err + latent_out.0 * (e.abs() + err) + floor);
-                }
-                for (i, &e) in rope.iter().enumerate() {
-                    let pair = i / 2 * 2;
-                    let mag = (x[512 + pair].abs() + x[512 + pair + 1].abs()) as f64;
-                    let err = rope_allowed(pos, mag, rope_scale, e, DType::F32, DType::F32);
-                    got.push(stored[512 + i]);
-                    want.push(e);
-                    allowed.push(err + rope_out.0 * (e.abs() + err) + rope_out.1);
-                }
-            }
-            let cmp = compare(&got, &want, &allowed);
-            prop_assert!(cmp.passed(), "{format:?}: {cmp}");
-            Ok(())
-        })
+    run_cases(16, &strategy, |(tokens, spare, format, seed)| {
+        let mut rng = Rng::new(seed);
+        let target = SlotCache::new(client, &mut rng, tokens, spare, format);
+        let mut kv_a = normal_with_outliers(&mut rng, tokens * 576, 1.0);
+        kv_a[128..256].iter_mut().for_each(|v| *v *= 1e3); // one tile far above the rest
+        let norm = normal_with_outliers(&mut rng, 512, 1.0);
+        let positions: Vec<u32> = (0..tokens).map(|_| rng.below(200_000) as u32).collect();
+        let cfg = YarnConfig::kimi_k2();
+        let freqs: Vec<f32> = inv_freq(64, &cfg).iter().map(|&f| f as f32).collect();
+        let rope_scale = cos_sin_scale(&cfg);
+        let eps = 1e-6;
+        let (norm_dev, pos_dev) = (
+            DeviceArray::upload(client, &norm),
+            DeviceArray::upload(client, &positions),
+        );
+        let freqs_dev = DeviceArray::upload(client, &freqs);
+        let prep = KvRowPrep {
+            norm: &norm_dev,
+            eps,
+            rope: Rotation {
+                positions: &pos_dev,
+                inv_freq: &freqs_dev,
+                scale: rope_scale as f32,
+            },
+        };
+        write_kv_normed(
+            client,
+            &DeviceArray::upload(client, &kv_a),
+            &prep,
+            &target.slots(client),
+            &target.cache,
+        )
         .unwrap();
+        let chain = Tolerance::dot(512 + 4, DType::F32, DType::F32);
+        let (mut got, mut want, mut allowed) = (Vec::new(), Vec::new(), Vec::new());
+        for (t, row) in target.new_rows(client)?.iter().enumerate() {
+            let x = &kv_a[t * 576..(t + 1) * 576];
+            let latent = norm::rmsnorm(&x[..512], &norm, eps);
+            let pos = positions[t] as usize;
+            let rope = apply_interleaved(&x[512..], &[pos], 64, &cfg);
+            let stored: Vec<f32> = match format {
+                KvFormat::F32 => row.iter().map(|&w| f32::from_bits(w)).collect(),
+                KvFormat::Bf16 => row
+                    .iter()
+                    .flat_map(|&w| [bf16_decode(w as u16), bf16_decode((w >> 16) as u16)])
+                    .collect(),
+                KvFormat::Fp8 => {
+                    let bytes: Vec<u8> = row.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    fp8_row_decode(&bytes).to_vec()
+                }
+            };
+            // (unit roundoff, absolute floor) of the stored latent and rope values.
+            let (latent_out, rope_out) = match format {
+                KvFormat::F32 => ((0.0, 0.0), (0.0, 0.0)),
+                KvFormat::Bf16 => (bf16_rounding(), bf16_rounding()),
+                // fp8's floor is per tile, below.
+                KvFormat::Fp8 => ((DType::E4M3.unit_roundoff(), 0.0), bf16_rounding()),
+            };
+            for (i, &e) in latent.iter().enumerate() {
+                let err = chain.allowed(e, e.abs());
+                let mut floor = latent_out.1;
+                if format == KvFormat::Fp8 {
+                    let tile = &latent[i / 128 * 128..(i / 128 + 1) * 128];
+                    let amax = tile.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                    // Half a subnormal step (2^-9 of the scale) at twice the scale.
+                    floor = fp8_tile_scale(amax as f32) as f64 * 2f64.powi(-9);
+                }
+                got.push(stored[i]);
+                want.push(e);
+                allowed.push(err + latent_out.0 * (e.abs() + err) + floor);
+            }
+            for (i, &e) in rope.iter().enumerate() {
+                let pair = i / 2 * 2;
+                let mag = (x[512 + pair].abs() + x[512 + pair + 1].abs()) as f64;
+                let err = rope_allowed(pos, mag, rope_scale, e, DType::F32, DType::F32);
+                got.push(stored[512 + i]);
+                want.push(e);
+                allowed.push(err + rope_out.0 * (e.abs() + err) + rope_out.1);
+            }
+        }
+        let cmp = compare(&got, &want, &allowed);
+        prop_assert!(cmp.passed(), "{format:?}: {cmp}");
+        Ok(())
+    });
 }
 
 /// bf16 storage: half a unit in the last place, and the smallest normal as the floor.
@@ -425,109 +403,103 @@ fn bf16_rounding() -> (f64, f64) {
 /// step (nope 48) and two column tiles of values (v 136); more than 64 tokens cross a token
 /// tile. The queries' rope parts are rotated on the way (Kimi's YaRN, positions up to 200k).
 fn absorption<R: Runtime>(client: &ComputeClient<R>) {
-    let mut runner = TestRunner::new(Config {
-        cases: 12,
-        ..Config::default()
-    });
     let strategy = (
         prop::sample::select(vec![1usize, 3, 70]),
         1usize..=4,
         prop::sample::select(vec![(128usize, 128usize), (7, 5), (16, 3), (48, 136)]),
         any::<u64>(),
     );
-    runner
-        .run(&strategy, |(tokens, heads, (nope, v), seed)| {
-            let mut rng = Rng::new(seed);
-            let w: Vec<f32> = normal_with_outliers(&mut rng, heads * (nope + v) * 512, 0.05)
-                .iter()
-                .map(|&x| bf16_round(x))
-                .collect();
-            let bits: Vec<u16> = w.iter().map(|&x| bf16_encode(x)).collect();
-            let kv_b = DeviceArray::upload(client, &pack_u16_words(&bits));
-            let shape = KvBShape { heads, nope, v };
-            let kvb = KvB {
-                weight: &w,
-                heads,
-                nope,
-                v,
-                kv_lora: 512,
-            };
-            let q = normal_with_outliers(&mut rng, tokens * heads * (nope + 64), 1.0);
-            let latent = normal_with_outliers(&mut rng, tokens * heads * 512, 1.0);
-            let (mut want_q, mag_q) = absorb::absorb_query(&q, &kvb, 64);
-            let (want_v, mag_v) = absorb::project_values(&latent, &kvb);
-            let cfg = YarnConfig::kimi_k2();
-            let positions: Vec<u32> = (0..tokens).map(|_| rng.below(200_000) as u32).collect();
-            let pos_usize: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
-            let q_pe: Vec<f32> = q
-                .chunks(nope + 64)
-                .flat_map(|r| r[nope..].to_vec())
-                .collect();
-            let rotated = apply_interleaved(&q_pe, &pos_usize, 64, &cfg);
-            let rope_scale = cos_sin_scale(&cfg);
-            // Where each row's rope part sits in the output, and its bound.
-            let mut rope_bound = vec![None; want_q.len()];
-            for (r, row) in q_pe.chunks(64).enumerate() {
-                let pos = pos_usize[r / heads];
-                for i in 0..64 {
-                    let e = rotated[r * 64 + i];
-                    let mag = (row[i / 2 * 2].abs() + row[i / 2 * 2 + 1].abs()) as f64;
-                    want_q[r * 576 + 512 + i] = e;
-                    rope_bound[r * 576 + 512 + i] = Some(rope_allowed(
-                        pos,
-                        mag,
-                        rope_scale,
-                        e,
-                        DType::F32,
-                        DType::F32,
-                    ));
+    run_cases(12, &strategy, |(tokens, heads, (nope, v), seed)| {
+        let mut rng = Rng::new(seed);
+        let w: Vec<f32> = normal_with_outliers(&mut rng, heads * (nope + v) * 512, 0.05)
+            .iter()
+            .map(|&x| bf16_round(x))
+            .collect();
+        let bits: Vec<u16> = w.iter().map(|&x| bf16_encode(x)).collect();
+        let kv_b = DeviceArray::upload(client, &pack_u16_words(&bits));
+        let shape = KvBShape { heads, nope, v };
+        let kvb = KvB {
+            weight: &w,
+            heads,
+            nope,
+            v,
+            kv_lora: 512,
+        };
+        let q = normal_with_outliers(&mut rng, tokens * heads * (nope + 64), 1.0);
+        let latent = normal_with_outliers(&mut rng, tokens * heads * 512, 1.0);
+        let (mut want_q, mag_q) = absorb::absorb_query(&q, &kvb, 64);
+        let (want_v, mag_v) = absorb::project_values(&latent, &kvb);
+        let cfg = YarnConfig::kimi_k2();
+        let positions: Vec<u32> = (0..tokens).map(|_| rng.below(200_000) as u32).collect();
+        let pos_usize: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
+        let q_pe: Vec<f32> = q
+            .chunks(nope + 64)
+            .flat_map(|r| r[nope..].to_vec())
+            .collect();
+        let rotated = apply_interleaved(&q_pe, &pos_usize, 64, &cfg);
+        let rope_scale = cos_sin_scale(&cfg);
+        // Where each row's rope part sits in the output, and its bound.
+        let mut rope_bound = vec![None; want_q.len()];
+        for (r, row) in q_pe.chunks(64).enumerate() {
+            let pos = pos_usize[r / heads];
+            for i in 0..64 {
+                let e = rotated[r * 64 + i];
+                let mag = (row[i / 2 * 2].abs() + row[i / 2 * 2 + 1].abs()) as f64;
+                want_q[r * 576 + 512 + i] = e;
+                rope_bound[r * 576 + 512 + i] = Some(rope_allowed(
+                    pos,
+                    mag,
+                    rope_scale,
+                    e,
+                    DType::F32,
+                    DType::F32,
+                ));
+            }
+        }
+        let freqs: Vec<f32> = inv_freq(64, &cfg).iter().map(|&f| f as f32).collect();
+        let (pos_dev, freqs_dev) = (
+            DeviceArray::upload(client, &positions),
+            DeviceArray::upload(client, &freqs),
+        );
+        let rope = Rotation {
+            positions: &pos_dev,
+            inv_freq: &freqs_dev,
+            scale: rope_scale as f32,
+        };
+        let (q, latent) = (
+            DeviceArray::upload(client, &q),
+            DeviceArray::upload(client, &latent),
+        );
+        for precision in [Precision::Exact, Precision::Bf16] {
+            // The tensor-core path rounds the activations to bf16.
+            let rounding = |tol: Tolerance| {
+                if absorbs_on_tensor_cores(client, shape, precision) {
+                    tol.with_operands(DType::BF16)
+                } else {
+                    tol
                 }
-            }
-            let freqs: Vec<f32> = inv_freq(64, &cfg).iter().map(|&f| f as f32).collect();
-            let (pos_dev, freqs_dev) = (
-                DeviceArray::upload(client, &positions),
-                DeviceArray::upload(client, &freqs),
-            );
-            let rope = Rotation {
-                positions: &pos_dev,
-                inv_freq: &freqs_dev,
-                scale: rope_scale as f32,
             };
-            let (q, latent) = (
-                DeviceArray::upload(client, &q),
-                DeviceArray::upload(client, &latent),
-            );
-            for precision in [Precision::Exact, Precision::Bf16] {
-                // The tensor-core path rounds the activations to bf16.
-                let rounding = |tol: Tolerance| {
-                    if absorbs_on_tensor_cores(client, shape, precision) {
-                        tol.with_operands(DType::BF16)
-                    } else {
-                        tol
-                    }
-                };
-                let out = DeviceArray::filled(client, tokens * heads * 576, f32::NAN);
-                absorb_query(client, &q, tokens, &kv_b, shape, &rope, &out, precision).unwrap();
-                let tol = rounding(Tolerance::dot(nope, DType::F32, DType::F32));
-                let allowed: Vec<f64> = (want_q.iter().zip(&mag_q).zip(&rope_bound))
-                    .map(|((&e, &m), rope)| rope.unwrap_or_else(|| tol.allowed(e, m)))
-                    .collect();
-                let cmp = compare(&out.read(client), &want_q, &allowed);
-                prop_assert!(cmp.passed(), "absorb_query ({precision:?}): {cmp}");
+            let out = DeviceArray::filled(client, tokens * heads * 576, f32::NAN);
+            absorb_query(client, &q, tokens, &kv_b, shape, &rope, &out, precision).unwrap();
+            let tol = rounding(Tolerance::dot(nope, DType::F32, DType::F32));
+            let allowed: Vec<f64> = (want_q.iter().zip(&mag_q).zip(&rope_bound))
+                .map(|((&e, &m), rope)| rope.unwrap_or_else(|| tol.allowed(e, m)))
+                .collect();
+            let cmp = compare(&out.read(client), &want_q, &allowed);
+            prop_assert!(cmp.passed(), "absorb_query ({precision:?}): {cmp}");
 
-                let values = DeviceArray::filled(client, tokens * heads * v, f32::NAN);
-                project_values(client, &latent, tokens, &kv_b, shape, &values, precision).unwrap();
-                let tol = rounding(Tolerance::dot(512, DType::F32, DType::F32));
-                let cmp = compare(
-                    &values.read(client),
-                    &want_v,
-                    &tol.allowed_all(&want_v, &mag_v),
-                );
-                prop_assert!(cmp.passed(), "project_values ({precision:?}): {cmp}");
-            }
-            Ok(())
-        })
-        .unwrap();
+            let values = DeviceArray::filled(client, tokens * heads * v, f32::NAN);
+            project_values(client, &latent, tokens, &kv_b, shape, &values, precision).unwrap();
+            let tol = rounding(Tolerance::dot(512, DType::F32, DType::F32));
+            let cmp = compare(
+                &values.read(client),
+                &want_v,
+                &tol.allowed_all(&want_v, &mag_v),
+            );
+            prop_assert!(cmp.passed(), "project_values ({precision:?}): {cmp}");
+        }
+        Ok(())
+    });
 }
 
 kiln_backends::backend_tests! {

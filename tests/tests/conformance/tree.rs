@@ -1,6 +1,7 @@
 //! Tree verification conformance on every enabled backend: proptest over batch sizes, tree
 //! shapes (a single root, chains, bushes, up to 64 nodes) and vocabularies, plus the
 //! property that makes stochastic verification lossless, checked on the kernel itself.
+use crate::cases::reports_pass;
 use cubecl::prelude::*;
 use kiln_conformance::tree::{run_tree, TreeCase};
 use kiln_kernels::tree_verify::{verify_greedy, verify_stochastic, TreeBatch, Verdicts};
@@ -8,7 +9,6 @@ use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{categorical, Rng};
 use kiln_reference::stats::{chi_square, critical_value_p001};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 
 fn cases(stochastic: bool) -> impl Strategy<Value = TreeCase> {
     (1usize..=5, 1usize..=64, 2usize..=300, any::<u64>()).prop_map(
@@ -23,26 +23,16 @@ fn cases(stochastic: bool) -> impl Strategy<Value = TreeCase> {
     )
 }
 
-fn run_cases<R: Runtime>(client: &ComputeClient<R>, stochastic: bool) {
-    let mut runner = TestRunner::new(Config {
-        cases: 32,
-        ..Config::default()
-    });
-    runner
-        .run(&cases(stochastic), |case| {
-            let report = run_tree(client, &case, false).expect("valid case launches");
-            prop_assert!(report.passed, "{case:?}: {}", report.detail);
-            Ok(())
-        })
-        .unwrap();
+fn tree_cases<R: Runtime>(client: &ComputeClient<R>, stochastic: bool) {
+    reports_pass(32, &cases(stochastic), |case| run_tree(client, case, false));
 }
 
 fn greedy<R: Runtime>(client: &ComputeClient<R>) {
-    run_cases(client, false);
+    tree_cases(client, false);
 }
 
 fn stochastic<R: Runtime>(client: &ComputeClient<R>) {
-    run_cases(client, true);
+    tree_cases(client, true);
 }
 
 /// Vocabularies wide enough for every group of a cube to stream its own segment and for

@@ -13,11 +13,11 @@ mod upload;
 use std::sync::atomic::AtomicUsize;
 
 use cubecl::prelude::*;
+use kiln_core::model::ModelConfig;
+use kiln_core::rope::{cos_sin_scale, inv_freq, softmax_scale};
 use kiln_kernels::mla::{KvBShape, KvFormat, PagedKvCache};
 use kiln_kernels::moe::GateParams;
 use kiln_kernels::{DeviceArray, KernelError, Precision};
-use kiln_reference::model::ModelConfig;
-use kiln_reference::rope::{cos_sin_scale, inv_freq, softmax_scale};
 
 pub use batch::{Batch, KvPool, LogitRows, RequestSlice, StepOutput};
 pub(crate) use forward::RankStep;
@@ -25,7 +25,7 @@ use upload::{vector, DeviceLinear};
 
 use super::weights::{needed_tensors, progress_bar, Checkpoint, LoadError, LoadedWeight};
 use indicatif::ProgressBar;
-use kiln_reference::model::Tensor;
+use kiln_core::model::Tensor;
 
 /// Where [`GpuModel::load_from`] reads named weights: a checkpoint, or one tensor-parallel
 /// rank's slice of it (`crate::model::tp`).

@@ -2,11 +2,11 @@
 //! copy of the weights): routed experts in NVFP4, everything else in bf16, norms at 1.
 //! For benchmarks at the real shapes; their outputs mean nothing.
 use cubecl::prelude::*;
+use kiln_core::model::ModelConfig;
 use kiln_kernels::fill::fill_random_bits;
 use kiln_kernels::gemm::{nvfp4_layout, Bf16Weights, Nvfp4Weights};
 use kiln_kernels::DeviceArray;
 use kiln_kernels::Precision;
-use kiln_reference::model::ModelConfig;
 
 use super::{Attention, DeviceLinear, Ffn, GpuModel, Layer, Mlp, ModelError, Moe, QProj, Weights};
 

@@ -1,11 +1,11 @@
 //! Moving loaded weights to the device in the layouts the kernels take: bf16 pairs in words,
 //! NVFP4 codes and scales in words with f32 global scales, experts concatenated.
 use cubecl::prelude::*;
+use kiln_core::formats::{bf16_encode, pack_u16_words};
+use kiln_core::model::Tensor;
+use kiln_core::nvfp4::Nvfp4Matrix;
 use kiln_kernels::gemm::{Bf16Weights, Nvfp4Weights, Operand};
 use kiln_kernels::{DeviceArray, KernelError, Precision};
-use kiln_reference::formats::{bf16_encode, pack_u16_words};
-use kiln_reference::model::Tensor;
-use kiln_reference::nvfp4::Nvfp4Matrix;
 
 use crate::model::weights::{LoadError, LoadedWeight};
 

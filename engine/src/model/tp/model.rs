@@ -5,10 +5,10 @@
 //! on the host. It computes exactly what N GPUs would, which tests TP's arithmetic against
 //! TP = 1 on any single device; the multi-GPU version replaces [`all_reduce`] with NCCL.
 use cubecl::prelude::*;
+use kiln_core::model::ModelConfig;
 use kiln_kernels::mla::KvFormat;
 use kiln_kernels::DeviceArray;
 use kiln_kernels::Precision;
-use kiln_reference::model::ModelConfig;
 
 use super::shard::shard;
 use super::TpError;

@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::path::PathBuf;
 
-use kiln_reference::model::{ModelConfig, Tensor};
-use kiln_reference::nvfp4::{Nvfp4Matrix, BLOCK};
+use kiln_core::model::{ModelConfig, Tensor};
+use kiln_core::nvfp4::{Nvfp4Matrix, BLOCK};
 
 use super::TpError;
 use crate::model::gpu::WeightSource;

@@ -3,9 +3,9 @@
 //! the rank's architecture follow the Megatron layout of [`super::super`].
 use std::path::Path;
 
+use kiln_core::model::Tensor;
+use kiln_core::nvfp4::Nvfp4Matrix;
 use kiln_reference::data::{normal_with_outliers, Rng};
-use kiln_reference::model::Tensor;
-use kiln_reference::nvfp4::Nvfp4Matrix;
 
 use super::*;
 use crate::model::ModelSpec;

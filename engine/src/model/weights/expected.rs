@@ -1,7 +1,7 @@
 //! The tensors a DeepSeek-V3 architecture needs, by HF name, with the shapes its config
 //! implies. Linear weights are `[out, in]`; how each is stored (bf16 or quantized) is read
 //! from the file, not assumed.
-use kiln_reference::model::ModelConfig;
+use kiln_core::model::ModelConfig;
 
 /// What a tensor is for, which decides how it may be stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

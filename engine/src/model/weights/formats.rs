@@ -15,9 +15,9 @@
 //!   `int4_experts_convert_to_nvfp4_with_bounded_error` in `engine/tests/loading.rs`).
 use std::path::Path;
 
-use kiln_reference::formats::bf16_decode;
-use kiln_reference::model::Tensor;
-use kiln_reference::nvfp4::Nvfp4Matrix;
+use kiln_core::formats::bf16_decode;
+use kiln_core::model::Tensor;
+use kiln_core::nvfp4::Nvfp4Matrix;
 use safetensors::Dtype;
 
 use super::LoadError;

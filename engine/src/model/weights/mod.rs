@@ -13,8 +13,8 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use kiln_reference::model::Tensor;
-use kiln_reference::nvfp4::Nvfp4Matrix;
+use kiln_core::model::Tensor;
+use kiln_core::nvfp4::Nvfp4Matrix;
 use memmap2::Mmap;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
@@ -140,7 +140,7 @@ impl Checkpoint {
     }
 
     /// Every tensor the architecture needs, decoded and dequantized to f32 by HF name (the
-    /// input of `kiln_reference::model::forward`), with a progress bar on a terminal.
+    /// input of `kiln_core::model::forward`), with a progress bar on a terminal.
     pub fn reference_weights(&self) -> Result<HashMap<String, Tensor>, LoadError> {
         let needed = needed_tensors(&self.spec.arch);
         let bar = progress_bar(needed.len());

@@ -1,5 +1,11 @@
-//! `kiln`: the command-line entry point. Subcommands live in `cli/`, one module each.
-mod cli;
+//! `kiln`: the command-line entry point, one module per subcommand that runs the engine
+//! (`serve`, `generate`, `check`, `info`). `bench` is `kiln-workload`'s load generator and
+//! `route` the `kiln-router` crate, neither of which links the engine.
+mod args;
+mod check;
+mod generate;
+mod info;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -20,18 +26,18 @@ enum Command {
     /// Benchmark a server (kiln, SGLang, vLLM) with coding-agent sessions or a Mooncake
     /// trace: a sweep over concurrency with TTFT, output tokens/s per user, tokens/min per
     /// GPU and cache hit rate, as a table, JSON and a Pareto chart (SVG and PNG).
-    Bench(cli::bench::BenchArgs),
+    Bench(kiln_workload::bench::BenchArgs),
     /// Run every kernel against the reference oracle on realistic shapes and print a table
     /// (kernel, shape, backend, max abs/rel error, tolerance, pass, time). Exits non-zero
     /// if any kernel disagrees with the reference.
-    Check(cli::check::CheckArgs),
+    Check(check::CheckArgs),
     /// Generate a completion for a prompt with a model directory (greedy by default) and
     /// print it with prefill and decode speeds.
-    Generate(cli::generate::GenerateArgs),
+    Generate(generate::GenerateArgs),
     /// Serve the model over HTTP: OpenAI-compatible /v1/chat/completions and
     /// /v1/completions (streaming), SGLang's /generate (token ids), /v1/models, /health and
     /// Prometheus /metrics. Without --model it serves an embedded tiny model.
-    Serve(cli::serve::ServeArgs),
+    Serve(serve::ServeArgs),
     /// Route requests over many kiln (or SGLang) replicas behind one endpoint, keeping each
     /// agent session on the replica that holds its KV cache (`--policy kiln`, the default:
     /// session affinity, load-aware placement of new sessions, thick sessions split,
@@ -40,10 +46,10 @@ enum Command {
     /// --replicas-file (reloaded on SIGHUP or change). The router serves its own /metrics.
     /// With --simulate it runs every policy through a seeded simulation of agent sessions
     /// instead and prints load dispersion, tails, affinity and moves per scale event.
-    Route(cli::route::RouteArgs),
+    Route(kiln_router::cli::RouteArgs),
     /// Print the device the chosen backend runs on and what it supports (name, arch,
     /// tensor-core types, bf16 / fp8 / fp4 support).
-    Info(cli::info::InfoArgs),
+    Info(info::InfoArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -58,11 +64,11 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
-        Command::Bench(args) => cli::bench::run(args),
-        Command::Check(args) => cli::check::run(args),
-        Command::Generate(args) => cli::generate::run(args),
-        Command::Info(args) => cli::info::run(args),
-        Command::Route(args) => cli::route::run(args),
-        Command::Serve(args) => cli::serve::run(args),
+        Command::Bench(args) => Ok(kiln_workload::bench::run(args)?),
+        Command::Check(args) => check::run(args),
+        Command::Generate(args) => generate::run(args),
+        Command::Info(args) => info::run(args),
+        Command::Route(args) => Ok(kiln_router::cli::run(args)?),
+        Command::Serve(args) => serve::run(args),
     }
 }

@@ -9,9 +9,9 @@
 //! main-line request ends its session, since the history it would extend is unknown.
 use super::client::{Client, Output, Prompt};
 use super::progress::Counters;
-use kiln_workload::metrics::RequestRecord;
-use kiln_workload::tokens::ids_to_text;
-use kiln_workload::{Session, SessionGenerator};
+use crate::metrics::RequestRecord;
+use crate::tokens::ids_to_text;
+use crate::{Session, SessionGenerator};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -3,18 +3,15 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::args::{DeviceArgs, PrefixCacheArg};
 use anyhow::Context;
 use axum::serve::ListenerExt;
 use clap::Args;
-use kiln::cache::CacheKind;
 use kiln::engine::{self, EngineConfig};
 use kiln::model::default_model;
 use kiln::model::tokenizer::TextCodec;
 use kiln::model::Checkpoint;
 use kiln::server::{router, AppState, KimiFormat};
-use kiln_backends::BackendKind;
-
-use super::{KvDtype, PrecisionArg};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -33,15 +30,8 @@ pub struct ServeArgs {
     /// open). Also read from KILN_API_KEY.
     #[arg(long, env = "KILN_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// KV cache storage: bf16, or fp8 (FlashMLA's layout, ~57% of the bytes).
-    #[arg(long, value_enum, default_value_t = KvDtype::Bf16)]
-    kv_cache_dtype: KvDtype,
-    /// Kernel precision: bf16 (tensor cores) or exact (f32 operands, slower).
-    #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
-    precision: PrecisionArg,
-    /// Backend: wgpu or cuda (default: KILN_BACKEND, else CUDA when compiled in).
-    #[arg(long)]
-    backend: Option<String>,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// Tokens per KV page (the prefix cache shares whole pages).
     #[arg(long, default_value_t = 64)]
     page_size: usize,
@@ -62,8 +52,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 4096)]
     max_queued_requests: usize,
     /// Prefix cache: radix (default) or flat (the naive oracle; slow on large caches).
-    #[arg(long, value_enum, default_value_t = CacheKind::Radix)]
-    prefix_cache: CacheKind,
+    #[arg(long, value_enum, default_value_t = PrefixCacheArg::Radix)]
+    prefix_cache: PrefixCacheArg,
     /// Model name in the API (default: the directory's name, or kiln-default).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -75,7 +65,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.max_batch_tokens >= args.max_running_requests && args.max_running_requests > 0,
         "--max-batch-tokens must be at least --max-running-requests (each runs one token a step)"
     );
-    let kind = BackendKind::choose(args.backend.as_deref())?;
+    let kind = args.device.backend()?;
     let (dir, name, temporary) = match &args.model {
         Some(d) => {
             let name = d
@@ -93,14 +83,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let codec = TextCodec::from_dir(&dir)?;
     let cfg = EngineConfig {
         backend: kind,
-        kv_format: args.kv_cache_dtype.into(),
-        precision: args.precision.into(),
+        kv_format: args.device.kv_cache_dtype.into(),
+        precision: args.device.precision.into(),
         page_size: args.page_size,
         kv_pages: args.kv_pages,
         memory_reserve: (args.memory_reserve_gib * (1u64 << 30) as f64) as u64,
         max_batch_tokens: args.max_batch_tokens,
         max_running: args.max_running_requests,
-        cache: args.prefix_cache,
+        cache: args.prefix_cache.into(),
     };
     let engine = engine::start(cfg, ckpt)?;
     if temporary {

@@ -9,8 +9,8 @@
 //! its output length (`ignore_eos`) and carries the session in `x-session-id` (and
 //! `session_id` on `/generate`), so routers can keep a session on one replica.
 use super::sse::SseParser;
+use crate::metrics::RequestRecord;
 use futures_util::StreamExt;
-use kiln_workload::metrics::RequestRecord;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -65,7 +65,7 @@ impl Client {
         model: String,
         temperature: f64,
         timeout: Duration,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, reqwest::Error> {
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .pool_max_idle_per_host(1024)

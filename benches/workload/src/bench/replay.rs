@@ -8,9 +8,9 @@
 //! from the previous point.
 use super::client::{Client, Prompt};
 use super::progress::Counters;
-use kiln_workload::metrics::RequestRecord;
-use kiln_workload::tokens::ids_to_text;
-use kiln_workload::trace::{TraceRequest, TraceTokenizer};
+use crate::metrics::RequestRecord;
+use crate::tokens::ids_to_text;
+use crate::trace::{TraceRequest, TraceTokenizer};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

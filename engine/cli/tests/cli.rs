@@ -53,7 +53,7 @@ fn ids_after(label: &str, stdout: &str) -> Vec<u32> {
 /// continuation (bf16 KV on both sides), for as long as the reference's top choice is clear.
 #[test]
 fn generate_continues_the_prompt_like_the_reference_model() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf/tiny-kimi");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/tiny-kimi");
     let out = kiln(&[
         "generate",
         "--model",

@@ -5,14 +5,14 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 
-use super::{KvDtype, PrecisionArg};
+use crate::args::DeviceArgs;
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, RequestSlice};
 use kiln::model::tokenizer::TextCodec;
 use kiln::model::Checkpoint;
 use kiln::sampling::sample;
-use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
-use kiln_reference::data::Rng;
+use kiln_backends::{with_backend, BackendVisitor, DeviceReport};
+use kiln_core::rng::Rng;
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -31,15 +31,8 @@ pub struct GenerateArgs {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// KV cache storage.
-    #[arg(long, value_enum, default_value_t = KvDtype::Bf16)]
-    kv_cache_dtype: KvDtype,
-    /// Kernel precision: bf16 (tensor cores) or exact (f32 operands, slower).
-    #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
-    precision: PrecisionArg,
-    /// Backend: wgpu or cuda (default: KILN_BACKEND, else cuda if compiled in).
-    #[arg(long)]
-    backend: Option<String>,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// Also print the prompt's and the completion's token ids.
     #[arg(long)]
     ids: bool,
@@ -67,10 +60,10 @@ impl BackendVisitor for Generate<'_> {
 
     fn visit<R: Runtime>(self, client: ComputeClient<R>, report: DeviceReport) -> Self::Output {
         tracing::info!(device = %report.name, "uploading weights");
-        let model = GpuModel::load_with(client, self.ckpt, self.args.precision.into())?;
+        let model = GpuModel::load_with(client, self.ckpt, self.args.device.precision.into())?;
         let total = self.prompt.len() + self.args.max_tokens;
         let pages = total.div_ceil(PAGE);
-        let pool = model.kv_pool(pages, PAGE, self.args.kv_cache_dtype.into());
+        let pool = model.kv_pool(pages, PAGE, self.args.device.kv_cache_dtype.into());
         let table: Vec<u32> = (0..pages as u32).collect();
         let vocab = model.config.vocab_size;
         let mut rng = Rng::new(self.args.seed);
@@ -114,7 +107,7 @@ impl BackendVisitor for Generate<'_> {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
-    let kind = BackendKind::choose(args.backend.as_deref())?;
+    let kind = args.device.backend()?;
     let ckpt = Checkpoint::open(&args.model)
         .with_context(|| format!("opening {}", args.model.display()))?;
     let codec = TextCodec::from_dir(&args.model)?;

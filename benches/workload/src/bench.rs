@@ -1,8 +1,8 @@
 //! `kiln bench`: the coding-agent workload against any OpenAI-compatible server (kiln,
 //! SGLang, vLLM), one point per concurrency, with a summary table, JSON and a Pareto chart.
 //!
-//! The workload (sessions, traces, metrics, chart) is the pure `kiln-workload` crate;
-//! this module is the HTTP side: the client and its SSE framing (`client`, `sse`), the
+//! The workload (sessions, traces, metrics, chart) is the rest of this crate, without I/O;
+//! this module (feature `bench`) is the HTTP side: the client and its SSE framing (`client`, `sse`), the
 //! closed-loop session agents (`closed_loop`), trace replay (`replay`), the server's own
 //! counters (`prom`) and the progress bar (`progress`). It follows SGLang's
 //! `bench_serving` (multi-turn and Mooncake modes) and AIPerf's sweeps.
@@ -13,13 +13,13 @@ mod prom;
 mod replay;
 mod sse;
 
-use anyhow::{bail, Context};
+use crate::metrics::{point_label, summarize, PointSummary, RequestRecord};
+use crate::plot;
+use crate::report::{table, BenchReport, WorkloadSource};
+use crate::trace::{read_trace, TraceRequest, TraceTokenizer};
+use crate::{SessionGenerator, TokenRange, WorkloadError, WorkloadParams};
 use clap::{Args, ValueEnum};
 use client::{Api, Client};
-use kiln_workload::metrics::{point_label, summarize, PointSummary, RequestRecord};
-use kiln_workload::report::{table, BenchReport, WorkloadSource};
-use kiln_workload::trace::{read_trace, TraceRequest, TraceTokenizer};
-use kiln_workload::{SessionGenerator, TokenRange, WorkloadParams};
 use progress::{Counters, Progress};
 use prom::TokenCounters;
 use std::path::PathBuf;
@@ -115,6 +115,36 @@ pub struct BenchArgs {
     quiet: bool,
 }
 
+/// Why a benchmark could not run (a failed request is not an error: it is counted).
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// A flag is out of its domain.
+    #[error("{0}")]
+    Args(String),
+    /// The async runtime did not start.
+    #[error("starting the async runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// The HTTP client could not be built.
+    #[error(transparent)]
+    Client(#[from] reqwest::Error),
+    /// The server did not answer `/v1/models`.
+    #[error("server not reachable: {0}")]
+    Unreachable(String),
+    /// The trace file could not be read.
+    #[error("reading the trace")]
+    Trace(#[source] WorkloadError),
+    /// The workload's contexts do not fit the server's.
+    #[error("the workload does not fit the server's context of {context:?} tokens: lower --scale")]
+    Fit {
+        context: Option<u32>,
+        #[source]
+        source: WorkloadError,
+    },
+    /// Writing the JSON or the chart failed.
+    #[error(transparent)]
+    Output(#[from] WorkloadError),
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum ApiChoice {
     Auto,
@@ -122,11 +152,14 @@ enum ApiChoice {
     Text,
 }
 
-pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+/// Runs the sweep `args` describe: prints each point as it ends and the summary table,
+/// writes the JSON and the chart when asked.
+pub fn run(args: BenchArgs) -> Result<(), BenchError> {
     check(&args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .build()?;
+        .build()
+        .map_err(BenchError::Runtime)?;
     let report = runtime.block_on(sweep(&args))?;
     println!("{}", table(&report.points));
     if let Some(path) = &args.json {
@@ -138,37 +171,36 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             "kiln bench: {} ({} GPU, scale {})",
             report.model, args.gpus, args.scale
         );
-        for f in kiln_workload::plot::write_pareto(&report.points, &title, path)? {
+        for f in plot::write_pareto(&report.points, &title, path)? {
             eprintln!("wrote {}", f.display());
         }
     }
     Ok(())
 }
 
-fn check(args: &BenchArgs) -> anyhow::Result<()> {
-    if args.sweep.is_empty() || args.sweep.contains(&0) {
-        bail!(
+fn check(args: &BenchArgs) -> Result<(), BenchError> {
+    let problem = if args.sweep.is_empty() || args.sweep.contains(&0) {
+        format!(
             "--sweep needs concurrencies of at least 1, got {:?}",
             args.sweep
-        );
-    }
-    if !(args.duration > 0.0 && args.timeout > 0.0 && args.speedup > 0.0) {
-        bail!("--duration, --timeout and --speedup must be positive");
-    }
-    if !(args.scale > 0.0 && args.scale <= 1.0) {
-        bail!("--scale must be in (0, 1], got {}", args.scale);
-    }
-    if args.think_scale.is_nan()
+        )
+    } else if !(args.duration > 0.0 && args.timeout > 0.0 && args.speedup > 0.0) {
+        "--duration, --timeout and --speedup must be positive".into()
+    } else if !(args.scale > 0.0 && args.scale <= 1.0) {
+        format!("--scale must be in (0, 1], got {}", args.scale)
+    } else if args.think_scale.is_nan()
         || args.think_scale < 0.0
         || args.gpus == 0
         || args.max_token_id < 3
     {
-        bail!("--think-scale must be >= 0, --gpus >= 1 and --max-token-id >= 3");
-    }
-    Ok(())
+        "--think-scale must be >= 0, --gpus >= 1 and --max-token-id >= 3".into()
+    } else {
+        return Ok(());
+    };
+    Err(BenchError::Args(problem))
 }
 
-async fn sweep(args: &BenchArgs) -> anyhow::Result<BenchReport> {
+async fn sweep(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let (client, context) = connect(args).await?;
     let range = TokenRange {
         first: 3,
@@ -185,14 +217,11 @@ async fn sweep(args: &BenchArgs) -> anyhow::Result<BenchReport> {
         params.max_context = params.max_context.min(len);
     }
     let trace = match &args.trace {
-        Some(path) => Some(read_trace(path).with_context(|| "reading the trace")?),
+        Some(path) => Some(read_trace(path).map_err(BenchError::Trace)?),
         None => None,
     };
-    let generator = SessionGenerator::new(params.clone(), args.seed).with_context(|| {
-        format!(
-            "the workload does not fit the server's context of {context:?} tokens: lower --scale"
-        )
-    })?;
+    let generator = SessionGenerator::new(params.clone(), args.seed)
+        .map_err(|source| BenchError::Fit { context, source })?;
     let concurrencies = if args.trace_clock {
         vec![0]
     } else {
@@ -245,7 +274,7 @@ fn duration(args: &BenchArgs) -> Duration {
 
 /// A client with the model and API resolved against the server, and the model's context
 /// length when the server lists it.
-async fn connect(args: &BenchArgs) -> anyhow::Result<(Client, Option<u32>)> {
+async fn connect(args: &BenchArgs) -> Result<(Client, Option<u32>), BenchError> {
     let timeout = Duration::from_secs_f64(args.timeout);
     let probe = Client::new(
         &args.url,
@@ -254,10 +283,7 @@ async fn connect(args: &BenchArgs) -> anyhow::Result<(Client, Option<u32>)> {
         args.temperature,
         timeout,
     )?;
-    let listed = probe
-        .first_model()
-        .await
-        .map_err(|e| anyhow::anyhow!("server not reachable: {e}"))?;
+    let listed = probe.first_model().await.map_err(BenchError::Unreachable)?;
     let context = listed.as_ref().and_then(|m| m.max_model_len);
     let model = args
         .model
