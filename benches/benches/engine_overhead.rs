@@ -86,6 +86,7 @@ fn scheduling(c: &mut Criterion) {
         max_running: 256,
         context_len: 1 << 20,
         eos_token_ids: vec![],
+        stall_timeout: std::time::Duration::from_secs(60),
     };
     let metrics = Arc::new(Metrics::default());
     let cache = Box::new(RadixCache::new(PAGE));
@@ -94,7 +95,7 @@ fn scheduling(c: &mut Criterion) {
     let mut rng = Rng::new(3);
     let mut receivers = Vec::new();
     for id in 0..256 {
-        let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+        let (events, rx) = tokio::sync::mpsc::channel(kiln::scheduler::EVENT_BUFFER);
         receivers.push(rx);
         sched.add(Submission {
             id,

@@ -39,6 +39,9 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     pub max_running: usize,
     pub cache: CacheKind,
+    /// How long a request may wait on a client that reads none of its output before it is
+    /// aborted (its output is held in a bounded buffer meanwhile).
+    pub stall_timeout: Duration,
 }
 
 /// What the server needs to know about the running model.
@@ -212,6 +215,7 @@ impl BackendVisitor for Runner {
             max_running: self.cfg.max_running,
             context_len: info.context_len,
             eos_token_ids: info.eos_token_ids.clone(),
+            stall_timeout: self.cfg.stall_timeout,
         };
         let cache = self.cfg.cache.build(page);
         let mut sched = Scheduler::new(sched_cfg, pages, cache, self.metrics.clone());
@@ -279,6 +283,7 @@ fn run<R: Runtime>(
             sched.add(s);
         }
         sched.abort_cancelled();
+        sched.abort_stalled(Instant::now());
         let Some(step) = sched.schedule() else {
             // Waiting requests that cannot start yet: wait for new work, not spin.
             std::thread::sleep(Duration::from_millis(1));

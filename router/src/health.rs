@@ -8,7 +8,7 @@
 //! reloaded. SIGHUP also reloads it.
 
 use crate::proxy::AppState;
-use crate::scrape::parse_metrics;
+use crate::scrape::{is_draining, parse_metrics};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,13 +31,13 @@ pub async fn upkeep(state: Arc<AppState>, interval: Duration) {
             .iter()
             .map(|r| (r.id, r.name.clone()))
             .collect();
-        let scrapes = targets.iter().map(|(id, base)| {
+        let scrapes = targets.iter().map(|(_, base)| {
             let client = state.client.clone();
             let url = format!("{base}/metrics");
             async move {
                 let response = client.get(url).timeout(timeout).send().await.ok()?;
                 let text = response.error_for_status().ok()?.text().await.ok()?;
-                Some((*id, parse_metrics(&text)))
+                Some((parse_metrics(&text), is_draining(&text)))
             }
         });
         let results = futures_util::future::join_all(scrapes).await;
@@ -46,7 +46,13 @@ pub async fn upkeep(state: Arc<AppState>, interval: Duration) {
             let mut placer = state.placer();
             for ((id, base), result) in targets.iter().zip(results) {
                 match result {
-                    Some((_, scraped)) => {
+                    Some((_, true)) => {
+                        if placer.replica(*id).is_some_and(|r| r.up) {
+                            tracing::info!(replica = %base, "replica drains for shutdown, out of rotation");
+                        }
+                        placer.set_up(*id, false);
+                    }
+                    Some((scraped, false)) => {
                         failures.remove(id);
                         if placer.replica(*id).is_some_and(|r| !r.up) {
                             tracing::info!(replica = %base, "replica answers again");

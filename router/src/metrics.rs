@@ -3,7 +3,7 @@
 //! Series: `kiln_router_in_flight{replica}` and `kiln_router_replica_up{replica}`
 //! (gauges), `kiln_router_sessions{replica}` (active sessions homed there),
 //! `kiln_router_placements_total{replica,kind}` (kind: new, affine, split, moved,
-//! unkeyed), `kiln_router_moves_total`, `kiln_router_retries_total` and
+//! unkeyed), `kiln_router_moves_total`, `kiln_router_retries_total`, `kiln_router_broken_streams_total` and
 //! `kiln_router_unplaced_total` (requests that found no healthy replica).
 
 use crate::placer::{PlacementKind, Placer};
@@ -75,6 +75,11 @@ pub fn render(placer: &Placer) -> String {
             "kiln_router_unplaced_total",
             "Requests that found no healthy replica.",
             c.unplaced,
+        ),
+        (
+            "kiln_router_broken_streams_total",
+            "Responses a replica broke off after the first byte.",
+            c.broken_streams,
         ),
     ] {
         let _ = writeln!(

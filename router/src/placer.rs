@@ -102,6 +102,9 @@ pub struct Counters {
     pub retries: u64,
     /// Requests that found no healthy replica.
     pub unplaced: u64,
+    /// Responses whose replica broke off after the first byte (the client got an error
+    /// event instead of the rest).
+    pub broken_streams: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -214,6 +217,11 @@ impl Placer {
     /// Counts a retry (the proxy retries; the placer keeps the counters).
     pub fn record_retry(&mut self) {
         self.counters.retries += 1;
+    }
+
+    /// Counts a response its replica broke off after the first byte.
+    pub fn record_broken_stream(&mut self) {
+        self.counters.broken_streams += 1;
     }
 
     /// Places one request of session `key` (none for unkeyed requests), never on

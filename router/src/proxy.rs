@@ -7,8 +7,11 @@
 //! streams stay streams. A request that fails before its first response byte (refused
 //! or reset connection, or a 502/503 from the replica) is retried once on another
 //! replica; a refused connection also drains the replica until a health check passes.
-//! The request counts as in flight on its replica until its response body ends or the
-//! client goes away.
+//! A response that breaks off after its first byte cannot be retried: an event stream
+//! then ends with an SSE error event (and `[DONE]`), any other body with the error, so the
+//! client is told rather than left with a silent truncation. The request counts as in
+//! flight on its replica until its response body ends or the client goes away. The
+//! router's own errors are OpenAI's error body (`message`, `type`, `param`, `code`).
 
 use crate::placer::Placer;
 use crate::replicas::ReplicaSource;
@@ -171,7 +174,7 @@ async fn proxy(State(state): State<Arc<AppState>>, request: Request) -> Response
             continue;
         }
         return match sent {
-            Ok(response) => stream_back(response, guard),
+            Ok(response) => stream_back(response, guard, state.clone(), base),
             Err(err) => error(
                 StatusCode::BAD_GATEWAY,
                 &format!("replica {base} failed: {err}"),
@@ -220,21 +223,68 @@ async fn forward(
         .await
 }
 
-fn stream_back(response: reqwest::Response, guard: InFlight) -> Response {
+fn stream_back(
+    response: reqwest::Response,
+    guard: InFlight,
+    state: Arc<AppState>,
+    base: String,
+) -> Response {
     let mut builder = Response::builder().status(response.status());
     for (name, value) in response.headers().iter().filter(|(n, _)| !hop_by_hop(n)) {
         builder = builder.header(name, value);
     }
-    let stream = response.bytes_stream().map(move |chunk| {
-        let _in_flight = &guard;
-        chunk.map_err(std::io::Error::other)
-    });
+    let sse = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    // Chunks as they come; a failed read ends the body with an error the client can see.
+    let stream =
+        futures_util::stream::unfold(Some((response.bytes_stream(), guard)), move |alive| {
+            let (state, base) = (state.clone(), base.clone());
+            async move {
+                let (mut bytes, guard) = alive?;
+                match bytes.next().await {
+                    Some(Ok(chunk)) => Some((Ok::<_, std::io::Error>(chunk), Some((bytes, guard)))),
+                    None => None,
+                    Some(Err(err)) => {
+                        tracing::warn!(replica = %base, "response broke off mid-body: {err}");
+                        state.placer().record_broken_stream();
+                        let body = error_body(
+                            StatusCode::BAD_GATEWAY,
+                            "replica_stream_broken",
+                            &format!("replica {base} broke off the response: {err}"),
+                        );
+                        let tail = if sse {
+                            format!("data: {body}\n\ndata: [DONE]\n\n")
+                        } else {
+                            body.to_string()
+                        };
+                        Some((Ok(Bytes::from(tail)), None))
+                    }
+                }
+            }
+        });
     builder
         .body(Body::from_stream(stream))
         .unwrap_or_else(|err| error(StatusCode::BAD_GATEWAY, &err.to_string()))
 }
 
+/// OpenAI's error body: `type` says whose fault, `code` what happened.
+fn error_body(status: StatusCode, code: &str, message: &str) -> serde_json::Value {
+    let kind = match status.as_u16() {
+        503 => "overloaded_error",
+        400..=499 => "invalid_request_error",
+        _ => "server_error",
+    };
+    serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+}
+
 fn error(status: StatusCode, message: &str) -> Response {
-    let body = serde_json::json!({"error": {"message": message, "type": "router_error", "code": status.as_u16()}});
-    (status, axum::Json(body)).into_response()
+    let code = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+        StatusCode::SERVICE_UNAVAILABLE => "no_healthy_replica",
+        _ => "replica_failed",
+    };
+    (status, axum::Json(error_body(status, code, message))).into_response()
 }

@@ -35,9 +35,25 @@ pub fn parse_metrics(text: &str) -> Option<Scraped> {
     })
 }
 
+/// Whether a kiln replica drains for shutdown (`kiln_draining 1`): it answers new
+/// requests with 503 until it exits, so it leaves the rotation at once.
+pub fn is_draining(text: &str) -> bool {
+    text.lines()
+        .map(str::trim)
+        .filter_map(|l| l.strip_prefix("kiln_draining "))
+        .any(|v| v.trim().parse::<f64>().is_ok_and(|v| v > 0.0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_draining_replica_says_so() {
+        assert!(is_draining("kiln_num_running_reqs 1\nkiln_draining 1\n"));
+        assert!(!is_draining("kiln_draining 0\n"));
+        assert!(!is_draining("kiln_num_running_reqs 1\n"));
+    }
 
     #[test]
     fn kiln_metrics_give_running_plus_queued_and_kv_usage() {

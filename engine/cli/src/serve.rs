@@ -2,6 +2,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::args::{DeviceArgs, PrefixCacheArg};
 use anyhow::Context;
@@ -17,7 +18,10 @@ use kiln::server::{router, AppState, KimiFormat};
 pub struct ServeArgs {
     /// HF model directory (config.json, model*.safetensors, tokenizer.json). Without it,
     /// kiln serves its embedded default: a tiny model of the same architecture with random
-    /// weights (outputs mean nothing; for trying the API, tests and benchmarks of the engine).
+    /// weights (outputs mean nothing; for trying the API, tests and benchmarks of the
+    /// engine) and a context of 4096 tokens. The context length (the config's
+    /// max_position_embeddings) is logged at start-up and listed as max_model_len in
+    /// /v1/models; a prompt plus max_tokens beyond it is refused with 400.
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
     /// Address to bind.
@@ -27,7 +31,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8000)]
     port: u16,
     /// Require `Authorization: Bearer KEY` on the API endpoints (/health and /metrics stay
-    /// open). Also read from KILN_API_KEY.
+    /// open). Also read from KILN_API_KEY; an empty key is refused.
     #[arg(long, env = "KILN_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
     #[command(flatten)]
@@ -57,10 +61,51 @@ pub struct ServeArgs {
     /// Model name in the API (default: the directory's name, or kiln-default).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// On SIGTERM or SIGINT: seconds to let requests in flight finish (/health and new
+    /// requests get 503 meanwhile); streams still running then end with an error event.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    shutdown_timeout: f64,
+    /// Seconds a request may wait on a client that reads none of its output (its tokens
+    /// wait in a bounded buffer, the request paused) before it is aborted.
+    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
+    client_stall_timeout: f64,
+}
+
+/// A duration flag: finite and not negative.
+fn seconds(flag: &str, s: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| anyhow::anyhow!("{flag} must be a number of seconds >= 0, got {s}"))
+}
+
+/// Resolves on SIGTERM or SIGINT (Ctrl-C), naming which.
+async fn shutdown_signal() -> &'static str {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+        "SIGINT"
+    };
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => tokio::select! {
+                name = ctrl_c => name,
+                _ = term.recv() => "SIGTERM",
+            },
+            Err(_) => ctrl_c.await,
+        }
+    }
+    #[cfg(not(unix))]
+    ctrl_c.await
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.page_size > 0, "--page-size must be at least 1");
+    anyhow::ensure!(
+        args.api_key.as_ref().is_none_or(|k| !k.is_empty()),
+        "--api-key (or KILN_API_KEY) is empty: give a key, or unset it to serve without one"
+    );
+    let shutdown_timeout = seconds("--shutdown-timeout", args.shutdown_timeout)?;
+    let stall_timeout = seconds("--client-stall-timeout", args.client_stall_timeout)?;
     anyhow::ensure!(
         args.max_batch_tokens >= args.max_running_requests && args.max_running_requests > 0,
         "--max-batch-tokens must be at least --max-running-requests (each runs one token a step)"
@@ -91,6 +136,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_batch_tokens: args.max_batch_tokens,
         max_running: args.max_running_requests,
         cache: args.prefix_cache.into(),
+        stall_timeout,
     };
     let engine = engine::start(cfg, ckpt)?;
     if temporary {
@@ -100,15 +146,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let chat = KimiFormat::new(&codec)
         .inspect_err(|e| tracing::warn!("chat completions unavailable: {e}"))
         .ok();
-    let state = Arc::new(AppState {
+    let state = Arc::new(AppState::new(
         engine,
-        codec: Arc::new(codec),
+        Arc::new(codec),
         chat,
-        model_name: args.served_model_name.clone().unwrap_or(name),
-        api_key: args.api_key.clone(),
-        max_outstanding: args.max_running_requests + args.max_queued_requests,
-        outstanding: Default::default(),
-    });
+        args.served_model_name.clone().unwrap_or(name),
+        args.api_key.clone(),
+        args.max_running_requests + args.max_queued_requests,
+    ));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -125,15 +170,25 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 tracing::debug!("TCP_NODELAY not set: {e}");
             }
         });
-        tracing::info!(model = %state.model_name, device = %state.engine.info.device, "serving");
+        let info = &state.engine.info;
+        tracing::info!(
+            model = %state.model_name,
+            device = %info.device,
+            context_len = info.context_len,
+            kv_tokens = info.kv_pages * info.page_size,
+            "serving"
+        );
         println!("kiln serve listening on http://{bound}");
         std::io::stdout().flush()?;
+        let drained = state.clone();
         axum::serve(listener, router(state))
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-                tracing::info!("shutting down");
+            .with_graceful_shutdown(async move {
+                let signal = shutdown_signal().await;
+                tracing::info!(signal, "shutting down");
+                drained.drain(shutdown_timeout).await;
             })
             .await?;
+        tracing::info!("stopped");
         Ok(())
     })
 }

@@ -310,3 +310,72 @@ fn route_simulate_prints_the_table_and_writes_one_json_object_per_policy() {
         );
     }
 }
+
+/// A replica that dies mid-stream cannot be retried past the first byte: the client's
+/// stream ends with an SSE error event (and `[DONE]`), not a silent cut, and the router
+/// counts it. A replica draining for shutdown leaves the rotation at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_cut_by_its_replica_ends_with_an_error_event_and_draining_replicas_rest() {
+    let mut replicas: Vec<Server> = (0..2)
+        .map(|_| Server::start(&["--shutdown-timeout", "60"]))
+        .collect();
+    let router = Router::start(
+        &replicas.iter().collect::<Vec<_>>(),
+        &["--scrape-interval-ms", "100"],
+    );
+    let http = reqwest::Client::new();
+    let long = |session: &str| {
+        let req = http
+            .post(format!("{}/v1/completions", router.url))
+            .header("x-session-id", session)
+            .json(
+                &json!({"prompt": [5, 6, 7], "max_tokens": 4000, "stream": true,
+                          "ignore_eos": true}),
+            );
+        async move {
+            use futures_util::StreamExt;
+            let mut bytes = req.send().await.expect("sent").bytes_stream();
+            let first = bytes.next().await.expect("a first chunk").expect("read");
+            (String::from_utf8_lossy(&first).into_owned(), bytes)
+        }
+    };
+    let (_, mut stream) = long("cut").await;
+    // Which replica serves it: the one with a running request.
+    let serving = (0..2)
+        .find(|&i| replicas[i].metric("kiln_num_running_reqs") > 0.0)
+        .expect("one replica runs the stream");
+    drop(replicas.remove(serving));
+    let mut rest = String::new();
+    {
+        use futures_util::StreamExt;
+        while let Some(chunk) = stream.next().await {
+            rest.push_str(&String::from_utf8_lossy(
+                &chunk.expect("the router ends it cleanly"),
+            ));
+        }
+    }
+    let tail: Vec<&str> = rest.trim_end().rsplit("\n\n").take(2).collect();
+    assert_eq!(tail[0].trim(), "data: [DONE]", "{rest}");
+    assert!(tail[1].contains("replica_stream_broken"), "{rest}");
+    let metrics = router.metrics().await;
+    assert_eq!(
+        series(&metrics, "kiln_router_broken_streams_total"),
+        Some(1.0),
+        "{metrics}"
+    );
+
+    // The survivor drains (a stream keeps it draining): the router takes it out.
+    let survivor = &replicas[0];
+    let (_, _keep) = long("drain").await;
+    survivor.terminate();
+    let up = format!("kiln_router_replica_up{{replica=\"{}\"}}", survivor.url);
+    let start = std::time::Instant::now();
+    loop {
+        let metrics = router.metrics().await;
+        if series(&metrics, &up) == Some(0.0) {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{metrics}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

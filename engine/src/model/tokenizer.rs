@@ -77,6 +77,18 @@ impl TextCodec {
         self.tokenizer.get_vocab_size(true)
     }
 
+    /// An upper bound on the bytes of input text one token stands for: four times the
+    /// longest token string (byte-level and SentencePiece token strings are at least as
+    /// long as the bytes they decode to; the factor covers normalizers that shrink text,
+    /// as NFKC does ligatures). Walks the vocabulary: call it once.
+    pub fn max_token_bytes(&self) -> usize {
+        let longest = (self.tokenizer.get_vocab(true).keys())
+            .map(String::len)
+            .max()
+            .unwrap_or(1);
+        4 * longest.max(1)
+    }
+
     /// Token ids of `text` with special-token strings treated as text.
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, String> {
         self.plain

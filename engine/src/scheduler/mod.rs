@@ -17,10 +17,10 @@ mod request;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use request::Request;
-pub use request::{Event, FinishReason, SamplingParams, Submission, Usage};
+pub use request::{Event, FinishReason, SamplingParams, Submission, Usage, EVENT_BUFFER};
 
 use crate::cache::{PagePool, PrefixCache};
 use crate::metrics::Metrics;
@@ -41,6 +41,9 @@ pub struct SchedulerConfig {
     /// The model's context length.
     pub context_len: usize,
     pub eos_token_ids: Vec<u32>,
+    /// How long a running request may wait on a client that reads none of its output
+    /// before it is aborted (see [`EVENT_BUFFER`]).
+    pub stall_timeout: Duration,
 }
 
 /// The work of one step: the batch and which request each slice belongs to.
@@ -126,8 +129,41 @@ impl Scheduler {
         }
     }
 
-    /// Plans the next step; `None` if there is nothing to run.
+    /// Aborts running requests whose clients have read nothing for `stall_timeout`: they
+    /// learn why through the slot their channel keeps for the end, and their pages are
+    /// freed (computed pages stay in the prefix cache).
+    pub fn abort_stalled(&mut self, now: Instant) {
+        let timeout = self.cfg.stall_timeout;
+        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|r| r.stalled_since.is_some_and(|t| now - t >= timeout));
+        self.running = kept;
+        if gone.is_empty() {
+            return;
+        }
+        for r in gone {
+            tracing::warn!(id = r.id, session = ?r.session, generated = r.generated(), "client stalled, aborting");
+            r.send(Event::Failed(format!(
+                "the client read none of the output for {} s; the request was aborted",
+                timeout.as_secs_f64()
+            )));
+            self.retire(r);
+            self.metrics.requests_aborted.add(1);
+        }
+        self.publish();
+    }
+
+    /// Plans the next step; `None` if there is nothing to run. A request whose client
+    /// has no room for the next token is left out (paused) until it reads.
     pub fn schedule(&mut self) -> Option<Step> {
+        let now = Instant::now();
+        for r in &mut self.running {
+            match (r.can_send(), r.stalled_since) {
+                (true, _) => r.stalled_since = None,
+                (false, None) => r.stalled_since = Some(now),
+                (false, Some(_)) => {}
+            }
+        }
         let mut budget = self.cfg.max_batch_tokens;
         let mut plan: Vec<usize> = vec![0; self.running.len()];
         // A running request left out for lack of pages: newcomers must not take them.
@@ -137,7 +173,8 @@ impl Scheduler {
             let mut i = 0;
             while i < self.running.len() && budget > 0 {
                 let pending = self.running[i].pending();
-                if plan[i] == 0 && (pending == 1) == decode_pass {
+                let paused = self.running[i].stalled_since.is_some();
+                if plan[i] == 0 && !paused && (pending == 1) == decode_pass {
                     match self.plan_one(i, policy::chunk_len(pending, budget), &mut plan) {
                         Some(n) => {
                             plan[i] = n;
@@ -246,7 +283,7 @@ impl Scheduler {
             r.cached = Some(computed);
             self.metrics.prompt_tokens.add(r.prompt_len as u64);
             self.metrics.cached_tokens.add(computed as u64);
-            let _ = r.events.send(Event::Admitted {
+            r.send(Event::Admitted {
                 cached_tokens: computed,
             });
             tracing::debug!(id = r.id, session = ?r.session, cached = computed, "admitted");
@@ -287,7 +324,7 @@ impl Scheduler {
             } else {
                 r.tokens.push(token);
                 self.metrics.generation_tokens.add(1);
-                let _ = r.events.send(Event::Token(token));
+                r.send(Event::Token(token));
                 let full =
                     r.generated() >= r.params.max_tokens || r.tokens.len() >= self.cfg.context_len;
                 full.then_some(FinishReason::Length)
@@ -318,7 +355,8 @@ impl Scheduler {
         self.metrics.requests_finished.add(done.len() as u64);
         self.publish();
         for (events, finished) in done {
-            let _ = events.send(finished);
+            // Room: the request ran this step only with a slot kept for its end.
+            let _ = events.try_send(finished);
         }
     }
 
@@ -327,7 +365,7 @@ impl Scheduler {
         for (id, _) in step.slices {
             if let Some(idx) = self.running.iter().position(|r| r.id == id) {
                 let r = self.running.remove(idx);
-                let _ = r.events.send(Event::Failed(why.to_string()));
+                r.send(Event::Failed(why.to_string()));
                 self.pool.release(&r.pages);
             }
         }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kiln_core::rng::Rng;
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::Sender;
 
 /// How to pick tokens and when to stop.
 #[derive(Clone, Debug, PartialEq)]
@@ -78,6 +78,12 @@ pub enum Event {
     Failed(String),
 }
 
+/// Events a request's channel holds that its client has not read. The engine never blocks
+/// on a client: a request whose channel lacks room for a token and its end pauses (keeps
+/// its pages, leaves the batch) until the client reads, and is aborted if it does not read
+/// for the scheduler's `stall_timeout`. So a request's unread output is bounded.
+pub const EVENT_BUFFER: usize = 64;
+
 /// A request submitted to the engine.
 #[derive(Debug)]
 pub struct Submission {
@@ -86,7 +92,8 @@ pub struct Submission {
     pub params: SamplingParams,
     /// The `x-session-id` it came with, for the logs.
     pub session: Option<String>,
-    pub events: UnboundedSender<Event>,
+    /// Bounded ([`EVENT_BUFFER`]); the engine only `try_send`s on it.
+    pub events: Sender<Event>,
     /// Set by the client before it drops its receiver when the request ended on its side
     /// (its text reached a stop string): counted as finished, not aborted.
     pub ended_by_client: Arc<AtomicBool>,
@@ -108,10 +115,12 @@ pub(crate) struct Request {
     pub computed: usize,
     /// Prompt tokens the cache supplied at first admission (`None` until admitted).
     pub cached: Option<usize>,
-    pub events: UnboundedSender<Event>,
+    pub events: Sender<Event>,
     pub ended_by_client: Arc<AtomicBool>,
     pub arrived: Instant,
     pub last_token_at: Option<Instant>,
+    /// Since when the client has left no room for the next token (`None`: it reads).
+    pub stalled_since: Option<Instant>,
 }
 
 impl Request {
@@ -130,7 +139,19 @@ impl Request {
             ended_by_client: s.ended_by_client,
             arrived: Instant::now(),
             last_token_at: None,
+            stalled_since: None,
         }
+    }
+
+    /// Whether the channel has room for a token and the end after it (the last slot is
+    /// kept for the end, so a paused request can always be told why it ended).
+    pub fn can_send(&self) -> bool {
+        self.events.capacity() >= 2
+    }
+
+    /// Sends `event`; the caller made sure there is room (a full channel drops it).
+    pub fn send(&self, event: Event) {
+        let _ = self.events.try_send(event);
     }
 
     /// Tokens generated so far.

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use proptest::prelude::*;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::{channel, Receiver};
 
 use super::*;
 use crate::cache::CacheKind;
@@ -54,8 +54,12 @@ fn config(page_size: usize, budget: usize, max_running: usize) -> SchedulerConfi
         max_running,
         context_len: 10_000,
         eos_token_ids: vec![0],
+        stall_timeout: Duration::from_secs(3600),
     }
 }
+
+/// Room for every event of the tests' requests: they read outcomes after running.
+const ROOM: usize = 1 << 16;
 
 struct Run {
     sched: Scheduler,
@@ -75,8 +79,18 @@ impl Run {
         }
     }
 
-    fn submit(&mut self, id: u64, prompt: Vec<u32>, max_tokens: usize) -> UnboundedReceiver<Event> {
-        let (tx, rx) = unbounded_channel();
+    fn submit(&mut self, id: u64, prompt: Vec<u32>, max_tokens: usize) -> Receiver<Event> {
+        self.submit_with_room(id, prompt, max_tokens, ROOM)
+    }
+
+    fn submit_with_room(
+        &mut self,
+        id: u64,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        room: usize,
+    ) -> Receiver<Event> {
+        let (tx, rx) = channel(room);
         self.sched.add(Submission {
             id,
             prompt,
@@ -114,7 +128,7 @@ impl Run {
 }
 
 /// Tokens and the finish event of a request, from its channel.
-fn outcome(rx: &mut UnboundedReceiver<Event>) -> (Vec<u32>, Option<Usage>) {
+fn outcome(rx: &mut Receiver<Event>) -> (Vec<u32>, Option<Usage>) {
     let (mut tokens, mut usage) = (Vec::new(), None);
     while let Ok(e) = rx.try_recv() {
         match e {
@@ -196,7 +210,7 @@ fn a_cancelled_request_returns_its_pages() {
 #[test]
 fn a_request_its_client_ended_counts_as_finished_not_aborted() {
     let mut run = Run::new(config(4, 256, 8), 64);
-    let (tx, rx) = unbounded_channel();
+    let (tx, rx) = channel(ROOM);
     let ended = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     run.sched.add(Submission {
         id: 0,
@@ -274,4 +288,47 @@ fn more_requests_than_the_pool_holds_all_finish_through_preemption() {
         let got = outcome(rx).0;
         assert_eq!(&got, seen.entry(p.clone()).or_insert_with(|| alone(p, 40)));
     }
+}
+
+#[test]
+fn a_client_that_does_not_read_pauses_its_request_and_is_aborted_after_the_timeout() {
+    let mut cfg = config(4, 256, 8);
+    cfg.stall_timeout = Duration::from_millis(50);
+    let mut run = Run::new(cfg, 256);
+    let mut slow = run.submit_with_room(0, vec![3; 10], 1000, EVENT_BUFFER);
+    let mut fast = run.submit(1, vec![4; 10], 200);
+    for _ in 0..300 {
+        run.step();
+    }
+    // Admitted plus tokens up to the slot kept for the end: the slow request is paused.
+    let buffered = std::iter::from_fn(|| slow.try_recv().ok()).count();
+    assert_eq!(buffered, EVENT_BUFFER - 1, "{}", run.sched.describe());
+    assert!(
+        outcome(&mut fast).1.is_some(),
+        "the other request ran to its end"
+    );
+    // Reading makes room: it runs again, then stalls again.
+    for _ in 0..10 {
+        run.step();
+    }
+    let more: Vec<Event> = std::iter::from_fn(|| slow.try_recv().ok()).collect();
+    assert!(
+        !more.is_empty() && more.len() < EVENT_BUFFER,
+        "{}",
+        more.len()
+    );
+    for _ in 0..100 {
+        run.step();
+    }
+    assert!(run.metrics.kv_usage.get() > 0.0, "paused, its pages kept");
+    std::thread::sleep(Duration::from_millis(60));
+    run.sched.abort_stalled(Instant::now());
+    let ended: Vec<Event> = std::iter::from_fn(|| slow.try_recv().ok()).collect();
+    assert!(
+        matches!(ended.last(), Some(Event::Failed(why)) if why.contains("read none")),
+        "{ended:?}"
+    );
+    assert_eq!(run.metrics.requests_aborted.get(), 1);
+    assert_eq!(run.metrics.kv_usage.get(), 0.0, "its pages freed");
+    run.sched.check_pages();
 }

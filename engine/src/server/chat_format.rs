@@ -29,6 +29,25 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
 }
 
+impl ChatMessage {
+    /// Bytes of text this message renders from (content, tool calls, the call it answers).
+    pub fn text_bytes(&self) -> usize {
+        let content = match &self.content {
+            None => 0,
+            Some(Content::Text(t)) => t.len(),
+            Some(Content::Parts(parts)) => parts
+                .iter()
+                .filter_map(|p| p.text.as_ref())
+                .map(String::len)
+                .sum(),
+        };
+        let calls: usize = (self.tool_calls.iter().flatten())
+            .map(|c| c.id.len() + c.function.name.len() + c.function.arguments.len())
+            .sum();
+        self.role.len() + content + calls + self.tool_call_id.as_ref().map_or(0, String::len)
+    }
+}
+
 /// Message content: a string or a list of parts (only text parts are supported).
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(untagged)]

@@ -14,17 +14,18 @@ pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
     pub code: &'static str,
-    pub param: Option<&'static str>,
+    /// The request field at fault, as a path (`messages[2].content`).
+    pub param: Option<String>,
 }
 
 impl ApiError {
     /// 400: the request is wrong.
-    pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
+    pub fn invalid(message: impl Into<String>, param: Option<&str>) -> Self {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             code: "invalid_request_error",
-            param,
+            param: param.map(str::to_string),
         }
     }
 
@@ -37,26 +38,45 @@ impl ApiError {
         }
     }
 
-    fn kind(&self) -> &'static str {
+    /// 400 for a field the server does not honour (rather than ignoring it silently).
+    pub fn unsupported(field: &str, why: impl std::fmt::Display) -> Self {
+        ApiError::invalid(format!("{field}: {why}"), Some(field))
+    }
+
+    /// 503: the server is draining for shutdown and takes no new requests.
+    pub fn draining() -> Self {
+        ApiError::with_status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            "the server is shutting down and takes no new requests; retry on another replica",
+        )
+    }
+
+    /// OpenAI's error `type` for the status: the client's fault, or the server's.
+    pub fn kind(&self) -> &'static str {
         match self.status.as_u16() {
             401 => "authentication_error",
             404 => "not_found_error",
-            413 | 400 | 422 => "invalid_request_error",
             503 => "overloaded_error",
+            400..=499 => "invalid_request_error",
             _ => "server_error",
         }
+    }
+
+    /// The `{"error": {...}}` body, as responses and stream error events carry it.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind(),
+            "param": self.param,
+            "code": self.code,
+        }})
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {
-            "message": self.message,
-            "type": self.kind(),
-            "param": self.param,
-            "code": self.code,
-        }});
-        (self.status, Json(body)).into_response()
+        (self.status, Json(self.body())).into_response()
     }
 }
 

@@ -10,7 +10,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::{ApiError, ApiJson};
-use super::run::{prepare, sse, start, Outcome, Piece, RawSampling, Stop};
+use super::fields::{refuse_unsupported, SGLANG_SAMPLING};
+use super::run::{prepare, sse, start, Outcome, Piece, RawSampling, Stop, SGLANG_NAMES};
 use super::{session_id, SharedState};
 
 #[derive(Deserialize, Default)]
@@ -23,6 +24,9 @@ pub struct SamplingFields {
     stop_token_ids: Option<Vec<u32>>,
     ignore_eos: Option<bool>,
     n: Option<i64>,
+    /// Every other field: refused unless left off (see `fields`).
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
 }
 
 #[derive(Deserialize)]
@@ -35,6 +39,14 @@ pub struct GenerateRequest {
     stream: bool,
     /// SGLang's session field; the `x-session-id` header takes precedence.
     session_id: Option<String>,
+    /// Checked like OpenAI's: the served model or none.
+    model: Option<String>,
+    /// Log probabilities are not returned yet: `true` is refused.
+    #[serde(default)]
+    return_logprob: bool,
+    /// Every other field: refused unless harmless (see `fields`).
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
 }
 
 fn body(
@@ -46,6 +58,25 @@ fn body(
     end: Option<&Outcome>,
 ) -> Value {
     let finish = end.map(|o| json!({"type": o.reason.as_str()}));
+    meta(
+        id,
+        text,
+        ids,
+        prompt,
+        end.map_or(cached, |o| o.usage.cached_tokens),
+        finish,
+    )
+}
+
+/// A `/generate` body with its `meta_info`.
+fn meta(
+    id: &str,
+    text: &str,
+    ids: &[u32],
+    prompt: usize,
+    cached: usize,
+    finish: Option<Value>,
+) -> Value {
     json!({
         "text": text,
         "output_ids": ids,
@@ -53,7 +84,7 @@ fn body(
             "id": id,
             "prompt_tokens": prompt,
             "completion_tokens": ids.len(),
-            "cached_tokens": end.map_or(cached, |o| o.usage.cached_tokens),
+            "cached_tokens": cached,
             "finish_reason": finish,
         },
     })
@@ -65,9 +96,27 @@ pub async fn generate(
     headers: HeaderMap,
     ApiJson(req): ApiJson<GenerateRequest>,
 ) -> Result<Response, ApiError> {
-    let prompt = match (req.input_ids, &req.text) {
+    state.accepting()?;
+    state.check_model(req.model.as_deref())?;
+    let checked = refuse_unsupported(&req.rest, "", &[])
+        .and_then(|()| {
+            refuse_unsupported(
+                &req.sampling_params.rest,
+                "sampling_params.",
+                SGLANG_SAMPLING,
+            )
+        })
+        .and_then(|()| match req.return_logprob {
+            true => Err(ApiError::unsupported(
+                "return_logprob",
+                "log probabilities are not returned yet",
+            )),
+            false => Ok(()),
+        });
+    checked.inspect_err(|_| state.rejected())?;
+    let prompt = match (req.input_ids, req.text) {
         (Some(ids), None) => ids,
-        (None, Some(t)) => state.encode(t)?,
+        (None, Some(t)) => state.encode(t, "text").await?,
         _ => {
             state.rejected();
             return Err(ApiError::invalid(
@@ -78,6 +127,7 @@ pub async fn generate(
     };
     let s = req.sampling_params;
     let raw = RawSampling {
+        names: &SGLANG_NAMES,
         // SGLang's default when max_new_tokens is absent.
         max_tokens: Some(s.max_new_tokens.unwrap_or(128)),
         temperature: s.temperature,
@@ -95,7 +145,11 @@ pub async fn generate(
     if req.stream {
         let mut text = String::new();
         return Ok(sse(pieces, move |piece, ids| match piece {
-            Err(e) => vec![json!({"error": {"message": e.message, "code": e.code}})],
+            Err(e) => {
+                // SGLang's shape for a request the server ended: finish_reason "abort".
+                let finish = json!({"type": "abort", "message": e.message});
+                vec![e.body(), meta(&id, &text, ids, prompt_len, 0, Some(finish))]
+            }
             Ok(Piece::Delta { text: t, .. }) => {
                 text.push_str(&t);
                 vec![body(&id, &text, ids, prompt_len, 0, None)]

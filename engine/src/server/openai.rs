@@ -10,7 +10,9 @@ use serde_json::{json, Value};
 
 use super::chat_format::{ChatMessage, ToolCall};
 use super::error::{ApiError, ApiJson};
-use super::run::{prepare, sse, start, Outcome, Piece, Pieces, RawSampling, Stop};
+use super::fields::{refuse_unsupported, OPENAI};
+use super::run::{prepare, sse, start, Outcome, Piece, Pieces, RawSampling, Stop, OPENAI_NAMES};
+use super::tools::{self, Tools};
 use super::{session_id, unix_time, AppState, SharedState};
 use crate::scheduler::FinishReason;
 
@@ -48,11 +50,15 @@ pub struct Common {
     #[serde(default)]
     return_token_ids: bool,
     logprobs: Option<Value>,
+    /// Every other field: refused unless harmless (see `fields`).
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
 }
 
 impl Common {
     fn sampling(&self) -> RawSampling {
         RawSampling {
+            names: &OPENAI_NAMES,
             max_tokens: self.max_completion_tokens.or(self.max_tokens),
             temperature: self.temperature,
             top_p: self.top_p,
@@ -64,9 +70,12 @@ impl Common {
         }
     }
 
-    /// Refuses what the server does not do rather than ignoring it silently.
+    /// Refuses what the server does not do rather than ignoring it silently; 503 while
+    /// the server drains.
     fn check(&self, state: &AppState) -> Result<(), ApiError> {
+        state.accepting()?;
         state.check_model(self.model.as_deref())?;
+        refuse_unsupported(&self.rest, "", OPENAI).inspect_err(|_| state.rejected())?;
         if self
             .logprobs
             .as_ref()
@@ -121,9 +130,9 @@ pub async fn completions(
     let c = &req.common;
     c.check(&state)?;
     let prompt = match req.prompt {
-        Prompt::Text(t) => state.encode(&t)?,
+        Prompt::Text(t) => state.encode(t, "prompt").await?,
         Prompt::Ids(ids) => ids,
-        Prompt::Texts(v) if v.len() == 1 => state.encode(&v[0])?,
+        Prompt::Texts(mut v) if v.len() == 1 => state.encode(v.remove(0), "prompt").await?,
         Prompt::IdLists(v) if v.len() == 1 => v.into_iter().next().expect("one"),
         _ => {
             return Err(ApiError::invalid(
@@ -150,7 +159,10 @@ pub async fn completions(
                        "model": model, "choices": [choice]})
             };
             match piece {
-                Err(e) => vec![error_chunk(&e)],
+                Err(e) => vec![
+                    e.body(),
+                    chunk(json!({"index": 0, "text": "", "finish_reason": ABORT})),
+                ],
                 Ok(Piece::Delta { text, ids }) => {
                     let mut choice = json!({"index": 0, "text": text, "finish_reason": null});
                     if ids_wanted {
@@ -203,9 +215,9 @@ async fn collect(pieces: &mut Pieces) -> Result<(String, Outcome), ApiError> {
     }
 }
 
-fn error_chunk(e: &ApiError) -> Value {
-    json!({"error": {"message": e.message, "code": e.code}})
-}
+/// The finish reason of a stream the server ended early (an error event precedes it):
+/// vLLM's name for it.
+const ABORT: &str = "abort";
 
 /// `POST /v1/chat/completions`.
 pub async fn chat(
@@ -215,31 +227,49 @@ pub async fn chat(
 ) -> Result<Response, ApiError> {
     let c = &req.common;
     c.check(&state)?;
+    let refused = |e: ApiError| {
+        state.rejected();
+        e
+    };
     if req.messages.is_empty() {
-        return Err(ApiError::invalid(
+        return Err(refused(ApiError::invalid(
             "messages must not be empty",
             Some("messages"),
-        ));
+        )));
     }
-    let no_tools = req.tool_choice.as_ref().is_some_and(|t| t == "none");
-    let tools = req.tools.as_ref().filter(|_| !no_tools);
-    let format = state.chat.as_ref().ok_or_else(|| {
-        ApiError::invalid(
+    let tools = tools::resolve(req.tools.as_ref(), req.tool_choice.as_ref()).map_err(refused)?;
+    let Some(format) = state.chat.as_ref() else {
+        return Err(refused(ApiError::invalid(
             "this model's tokenizer has no chat format",
             Some("messages"),
-        )
-    })?;
-    let prompt = format
-        .render(&state.codec, &req.messages, tools)
-        .map_err(|m| ApiError::invalid(m, Some("messages")))
-        .inspect_err(|_| state.rejected())?;
-    // A reply ends with its turn, whatever the model's config lists as end-of-sequence.
+        )));
+    };
+    let bytes: usize = req.messages.iter().map(ChatMessage::text_bytes).sum();
+    let (st, messages, declared) = (
+        state.clone(),
+        req.messages,
+        tools.as_ref().map(|t| t.declared.clone()),
+    );
+    let prompt = state
+        .tokenize(bytes, "messages", move || {
+            let format = st.chat.as_ref().expect("checked above");
+            format
+                .render(&st.codec, &messages, declared.as_ref())
+                .map_err(|m| ApiError::invalid(m, Some("messages")))
+        })
+        .await
+        .map_err(refused)?;
+    // A reply ends with its turn, whatever the model's config lists as end-of-sequence;
+    // without tools on offer, a tool-call section ends it too (its marker is not text).
     let mut sampling = c.sampling();
     let mut stops = sampling.stop_token_ids.take().unwrap_or_default();
     stops.push(format.turn_end());
+    if tools.is_none() {
+        stops.push(format.section_begin());
+    }
     sampling.stop_token_ids = Some(stops);
-    let p = prepare(&state, prompt, sampling, "messages").inspect_err(|_| state.rejected())?;
-    let end_of_text = Some(format.section_begin());
+    let p = prepare(&state, prompt, sampling, "messages").map_err(refused)?;
+    let end_of_text = tools.as_ref().map(|_| format.section_begin());
     let pieces = start(&state, &p, session_id(&headers), end_of_text)?;
     let reply = Reply {
         id: format!("chatcmpl-{}", p.id),
@@ -248,6 +278,7 @@ pub async fn chat(
         prompt_ids: p.prompt,
         ids_wanted: c.return_token_ids,
         include_usage: c.include_usage(),
+        tools,
     };
     if c.stream {
         return Ok(chat_stream(state, pieces, reply));
@@ -263,6 +294,8 @@ struct Reply {
     prompt_ids: Vec<u32>,
     ids_wanted: bool,
     include_usage: bool,
+    /// The tools offered; `None`: no tool calls are parsed.
+    tools: Option<Tools>,
 }
 
 impl Reply {
@@ -287,7 +320,10 @@ fn chat_stream(state: SharedState, pieces: Pieces, reply: Reply) -> Response {
             out.push(reply.chunk(delta, None));
         }
         match piece {
-            Err(e) => out.push(error_chunk(&e)),
+            Err(e) => {
+                out.push(e.body());
+                out.push(reply.chunk(json!({}), Some(ABORT)));
+            }
             Ok(Piece::Delta { text, ids }) => {
                 let mut delta = json!({"content": text});
                 if reply.ids_wanted {
@@ -296,7 +332,7 @@ fn chat_stream(state: SharedState, pieces: Pieces, reply: Reply) -> Response {
                 out.push(reply.chunk(delta, None));
             }
             Ok(Piece::Done(o)) => {
-                let calls = tool_calls(&state, all_ids);
+                let calls = tool_calls(&state, reply.tools.as_ref(), all_ids);
                 let finish = if calls.is_empty() || o.reason == FinishReason::Length {
                     o.reason.as_str()
                 } else {
@@ -329,7 +365,7 @@ async fn chat_whole(
     reply: Reply,
 ) -> Result<Response, ApiError> {
     let (text, outcome) = collect(&mut pieces).await?;
-    let calls = tool_calls(state, pieces.ids());
+    let calls = tool_calls(state, reply.tools.as_ref(), pieces.ids());
     let mut message = json!({"role": "assistant", "content": text});
     let finish = if calls.is_empty() || outcome.reason == FinishReason::Length {
         outcome.reason.as_str()
@@ -352,12 +388,13 @@ async fn chat_whole(
     Ok(Json(body).into_response())
 }
 
-fn tool_calls(state: &AppState, ids: &[u32]) -> Vec<ToolCall> {
-    let Some(fmt) = state.chat.as_ref() else {
+/// The calls of offered tools in a reply's ids (none when no tools were offered).
+fn tool_calls(state: &AppState, tools: Option<&Tools>, ids: &[u32]) -> Vec<ToolCall> {
+    let (Some(fmt), Some(tools)) = (state.chat.as_ref(), tools) else {
         return Vec::new();
     };
     match fmt.section_start(ids) {
-        Some(at) => fmt.parse_calls(&state.codec, &ids[at..]),
+        Some(at) => tools.accept(fmt.parse_calls(&state.codec, &ids[at..])),
         None => Vec::new(),
     }
 }

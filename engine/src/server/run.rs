@@ -7,12 +7,13 @@ use std::sync::Arc;
 
 use axum::http::StatusCode;
 use serde::Deserialize;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::{channel, Receiver};
+use tokio::sync::watch;
 
 use super::detok::Detokenizer;
 use super::error::ApiError;
 use super::AppState;
-use crate::scheduler::{Event, FinishReason, SamplingParams, Submission, Usage};
+use crate::scheduler::{Event, FinishReason, SamplingParams, Submission, Usage, EVENT_BUFFER};
 
 /// `stop`: one string or a list.
 #[derive(Clone, Debug, Deserialize)]
@@ -31,9 +32,35 @@ impl Stop {
     }
 }
 
+/// What an endpoint calls the sampling fields (errors name them as the client sent them).
+#[derive(Debug)]
+pub struct SamplingNames {
+    pub max_tokens: &'static str,
+    pub temperature: &'static str,
+    pub top_p: &'static str,
+    pub n: &'static str,
+}
+
+/// OpenAI's endpoints.
+pub const OPENAI_NAMES: SamplingNames = SamplingNames {
+    max_tokens: "max_tokens",
+    temperature: "temperature",
+    top_p: "top_p",
+    n: "n",
+};
+
+/// SGLang's `/generate`.
+pub const SGLANG_NAMES: SamplingNames = SamplingNames {
+    max_tokens: "sampling_params.max_new_tokens",
+    temperature: "sampling_params.temperature",
+    top_p: "sampling_params.top_p",
+    n: "sampling_params.n",
+};
+
 /// Sampling fields as the endpoints receive them (OpenAI and SGLang names).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct RawSampling {
+    pub names: &'static SamplingNames,
     pub max_tokens: Option<i64>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
@@ -60,8 +87,12 @@ pub fn prepare(
     prompt_field: &'static str,
 ) -> Result<Prepared, ApiError> {
     let info = &state.engine.info;
+    let names = raw.names;
     if raw.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+        return Err(ApiError::invalid(
+            format!("only {} = 1 is supported", names.n),
+            Some(names.n),
+        ));
     }
     let room = info
         .context_len
@@ -71,8 +102,8 @@ pub fn prepare(
         None => room.max(1),
         Some(m) if m < 1 => {
             return Err(ApiError::invalid(
-                format!("max_tokens must be at least 1, got {m}"),
-                Some("max_tokens"),
+                format!("{} must be at least 1, got {m}", names.max_tokens),
+                Some(names.max_tokens),
             ))
         }
         Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
@@ -80,15 +111,15 @@ pub fn prepare(
     let temperature = raw.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::invalid(
-            format!("temperature must be in [0, 2], got {temperature}"),
-            Some("temperature"),
+            format!("{} must be in [0, 2], got {temperature}", names.temperature),
+            Some(names.temperature),
         ));
     }
     let top_p = raw.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::invalid(
-            format!("top_p must be in (0, 1], got {top_p}"),
-            Some("top_p"),
+            format!("{} must be in (0, 1], got {top_p}", names.top_p),
+            Some(names.top_p),
         ));
     }
     info.check(&prompt, max_tokens)
@@ -134,7 +165,8 @@ pub fn submit(
     state: &AppState,
     p: &Prepared,
     session: Option<String>,
-) -> Result<(Slot, UnboundedReceiver<Event>, Arc<AtomicBool>), ApiError> {
+) -> Result<(Slot, Receiver<Event>, Arc<AtomicBool>), ApiError> {
+    state.accepting()?;
     let Some(slot) = Slot::take(&state.outstanding, state.max_outstanding) else {
         state.engine.metrics.requests_rejected.add(1);
         return Err(ApiError::with_status(
@@ -147,7 +179,7 @@ pub fn submit(
         ));
     };
     tracing::info!(id = p.id, session = ?session, prompt_tokens = p.prompt.len(), "request");
-    let (events, rx) = unbounded_channel();
+    let (events, rx) = channel(EVENT_BUFFER);
     let ended_by_client = Arc::new(AtomicBool::new(false));
     state
         .engine
@@ -181,7 +213,9 @@ pub struct Outcome {
 /// Turns engine events into [`Piece`]s with stop strings applied.
 pub struct Pieces {
     _slot: Slot,
-    rx: UnboundedReceiver<Event>,
+    rx: Receiver<Event>,
+    /// Turns `true` when the server's shutdown deadline passes: the generation ends there.
+    deadline: watch::Receiver<bool>,
     /// Tells the engine the request ended here (a stop string) when `rx` closes.
     ended_by_client: Arc<AtomicBool>,
     detok: Detokenizer,
@@ -194,7 +228,8 @@ pub struct Pieces {
 impl Pieces {
     pub fn new(
         slot: Slot,
-        rx: UnboundedReceiver<Event>,
+        rx: Receiver<Event>,
+        deadline: watch::Receiver<bool>,
         ended_by_client: Arc<AtomicBool>,
         detok: Detokenizer,
         prompt_tokens: usize,
@@ -202,6 +237,7 @@ impl Pieces {
         Pieces {
             _slot: slot,
             rx,
+            deadline,
             ended_by_client,
             detok,
             prompt_tokens,
@@ -218,10 +254,23 @@ impl Pieces {
 
     /// The next piece; `None` after the end. A stop string ends the generation there and
     /// closes the engine's channel, which aborts the request and frees its pages.
+    ///
+    /// Past the server's shutdown deadline the generation ends with a 503 error piece (the
+    /// engine's channel closes, which aborts the request).
     pub async fn next(&mut self) -> Option<Result<Piece, ApiError>> {
         while self.ready.is_empty() && !self.done {
-            let event = self.rx.recv().await;
-            self.take(event);
+            tokio::select! {
+                event = self.rx.recv() => self.take(event),
+                () = deadline_passed(&mut self.deadline) => {
+                    self.rx.close();
+                    self.ready.push_back(Err(ApiError::with_status(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "shutting_down",
+                        "the server shut down before this request finished",
+                    )));
+                    self.done = true;
+                }
+            }
         }
         self.ready.pop_front()
     }
@@ -273,6 +322,13 @@ impl Pieces {
     }
 }
 
+/// Returns once `deadline` holds `true` (never, if its sender is gone).
+async fn deadline_passed(deadline: &mut watch::Receiver<bool>) {
+    if deadline.wait_for(|&passed| passed).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Runs `p` for a client: the pieces of its generation, whose text ends at `end_of_text`
 /// (chat: the start of a tool-call section).
 pub fn start(
@@ -286,6 +342,7 @@ pub fn start(
     Ok(Pieces::new(
         slot,
         rx,
+        state.deadline(),
         ended_by_client,
         detok,
         p.prompt.len(),

@@ -57,6 +57,32 @@ impl Server {
         Server { child, url, log }
     }
 
+    /// Sends SIGTERM (what `kill`, systemd and Kubernetes send to stop a server).
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// Waits up to `timeout` for the process to exit: its status, `None` if it still runs.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let start = std::time::Instant::now();
+        while start.elapsed() < timeout {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// The server's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     /// A metric's value from `/metrics` (first sample of that name).
     pub fn metric(&self, name: &str) -> f64 {
         let text = http_get(&format!("{}/metrics", self.url));

@@ -1,0 +1,123 @@
+//! Request fields kiln does not act on. Each is either harmless to ignore (metadata), or
+//! accepted only at the value that turns it off (a penalty of 0); anything else, and any
+//! field kiln does not know, is a 400 naming it, so a client never gets an answer to a
+//! request it did not make.
+use serde_json::{Map, Value};
+
+use super::error::ApiError;
+
+/// Fields that change nothing about the output.
+const IGNORED: &[&str] = &["user", "metadata", "store", "service_tier", "rid"];
+
+/// A field and the test of the value that leaves it off.
+type Neutral = (&'static str, fn(&Value) -> bool);
+
+fn zero(v: &Value) -> bool {
+    v.as_f64() == Some(0.0)
+}
+
+fn one(v: &Value) -> bool {
+    v.as_f64() == Some(1.0)
+}
+
+fn no(v: &Value) -> bool {
+    v == &Value::Bool(false)
+}
+
+fn yes(v: &Value) -> bool {
+    v == &Value::Bool(true)
+}
+
+fn empty(v: &Value) -> bool {
+    v.as_object().is_some_and(Map::is_empty) || v.as_str() == Some("")
+}
+
+/// OpenAI's and vLLM's sampling extensions, off.
+pub const OPENAI: &[Neutral] = &[
+    ("frequency_penalty", zero),
+    ("presence_penalty", zero),
+    ("repetition_penalty", one),
+    ("top_k", |v| v.as_i64().is_some_and(|k| k == 0 || k == -1)),
+    ("min_p", zero),
+    ("logit_bias", empty),
+    ("top_logprobs", zero),
+    ("echo", no),
+    ("best_of", one),
+    ("suffix", empty),
+    ("parallel_tool_calls", yes),
+    ("response_format", |v| {
+        v == &serde_json::json!({"type": "text"})
+    }),
+];
+
+/// SGLang's `sampling_params` extensions, off.
+pub const SGLANG_SAMPLING: &[Neutral] = &[
+    ("frequency_penalty", zero),
+    ("presence_penalty", zero),
+    ("repetition_penalty", one),
+    ("top_k", |v| v.as_i64().is_some_and(|k| k == 0 || k == -1)),
+    ("min_p", zero),
+    ("min_new_tokens", zero),
+    ("skip_special_tokens", yes),
+];
+
+/// Checks the fields a request's known ones left over (`rest`, a `serde(flatten)` map)
+/// against `neutral`; `prefix` names where they sit (`sampling_params.`).
+pub fn refuse_unsupported(
+    rest: &Map<String, Value>,
+    prefix: &str,
+    neutral: &[Neutral],
+) -> Result<(), ApiError> {
+    for (name, value) in rest {
+        let field = format!("{prefix}{name}");
+        if value.is_null() || IGNORED.contains(&name.as_str()) {
+            continue;
+        }
+        match neutral.iter().find(|(n, _)| n == name) {
+            Some((_, off)) if off(value) => {}
+            Some(_) => {
+                return Err(ApiError::unsupported(
+                    &field,
+                    format!("kiln does not support {value} here yet; leave it out"),
+                ))
+            }
+            None => return Err(ApiError::unsupported(&field, "unknown field")),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn check(v: Value) -> Result<(), String> {
+        let rest = v.as_object().unwrap().clone();
+        refuse_unsupported(&rest, "", OPENAI).map_err(|e| e.param.unwrap())
+    }
+
+    #[test]
+    fn fields_left_off_pass_and_the_rest_are_named() {
+        assert_eq!(
+            check(
+                json!({"user": "u", "frequency_penalty": 0, "top_k": -1, "logit_bias": {},
+                         "response_format": {"type": "text"}, "presence_penalty": null})
+            ),
+            Ok(())
+        );
+        assert_eq!(
+            check(json!({"frequency_penalty": 0.5})),
+            Err("frequency_penalty".into())
+        );
+        assert_eq!(check(json!({"top_k": 40})), Err("top_k".into()));
+        assert_eq!(
+            check(json!({"response_format": {"type": "json_object"}})),
+            Err("response_format".into())
+        );
+        assert_eq!(check(json!({"temprature": 0.2})), Err("temprature".into()));
+        let rest = json!({"top_k": 5}).as_object().unwrap().clone();
+        let e = refuse_unsupported(&rest, "sampling_params.", SGLANG_SAMPLING).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("sampling_params.top_k"));
+    }
+}
