@@ -5,7 +5,6 @@ pub mod device_time;
 pub mod report;
 
 use kiln_core::model::ModelConfig;
-use kiln_core::rope::YarnConfig;
 use kiln_kernels::fill::Field;
 use kiln_kernels::mla::KvFormat;
 
@@ -40,27 +39,9 @@ pub const HBM_BYTES_PER_S: f64 = 4.30e12;
 pub fn kimi_k2_layers(layers: usize, vocab: usize) -> ModelConfig {
     ModelConfig {
         vocab_size: vocab,
-        hidden_size: 7168,
-        intermediate_size: 18432,
-        moe_intermediate_size: 2048,
         num_hidden_layers: layers,
-        num_attention_heads: 64,
-        q_lora_rank: Some(1536),
-        kv_lora_rank: 512,
-        qk_nope_head_dim: 128,
-        qk_rope_head_dim: 64,
-        v_head_dim: 128,
-        n_routed_experts: 384,
-        n_shared_experts: 1,
-        num_experts_per_tok: 8,
-        n_group: 1,
-        topk_group: 1,
-        norm_topk_prob: true,
-        routed_scaling_factor: 2.827,
         first_k_dense_replace: 0,
-        rms_norm_eps: 1e-5,
-        rope: YarnConfig::kimi_k2(),
-        tie_word_embeddings: false,
+        ..ModelConfig::kimi_k2()
     }
 }
 

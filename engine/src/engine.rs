@@ -19,9 +19,60 @@ use kiln_kernels::Precision;
 
 use crate::cache::CacheKind;
 use crate::metrics::Metrics;
-use crate::model::gpu::{Batch, GpuModel, KvPool, ModelError, RequestSlice};
+use crate::model::gpu::{Batch, GpuModel, KvPool, ModelError, RequestSlice, SyntheticQuant};
 use crate::model::Checkpoint;
 use crate::scheduler::{policy, Scheduler, SchedulerConfig, Submission};
+use kiln_core::model::ModelConfig;
+
+/// The weights the engine serves.
+pub enum ModelSource {
+    /// A checkpoint's, loaded onto the device.
+    Checkpoint(Checkpoint),
+    /// Weights generated on the device for an architecture: the real shapes and formats,
+    /// outputs that mean nothing (benchmarks of serving at full width).
+    Synthetic(SyntheticSpec),
+}
+
+/// A synthetic model: its architecture and how its weights are stored.
+#[derive(Clone, Debug)]
+pub struct SyntheticSpec {
+    pub config: ModelConfig,
+    pub quant: SyntheticQuant,
+    /// The context length it serves (the real model's `max_position_embeddings`).
+    pub context_len: usize,
+    pub seed: u32,
+    /// `Some(T)`: `config` is one rank's share of TP over `T` GPUs, whose all-reduces are
+    /// stood in by device work of their modelled time (`model::tp::AllReduceStandIn`).
+    pub tp_ranks: Option<usize>,
+}
+
+impl ModelSource {
+    fn load<R: Runtime>(
+        &self,
+        client: ComputeClient<R>,
+        precision: Precision,
+    ) -> Result<GpuModel<R>, ModelError> {
+        match self {
+            ModelSource::Checkpoint(ckpt) => GpuModel::load_with(client, ckpt, precision),
+            ModelSource::Synthetic(s) => {
+                let model =
+                    GpuModel::synthetic_with(client, s.config.clone(), s.seed, s.quant, precision)?;
+                match s.tp_ranks {
+                    Some(ranks) => model.with_all_reduce_stand_in(ranks),
+                    None => Ok(model),
+                }
+            }
+        }
+    }
+
+    /// The longest context and the end-of-sequence ids (none for a synthetic model).
+    fn limits(&self) -> (usize, Vec<u32>) {
+        match self {
+            ModelSource::Checkpoint(c) => (c.spec.context_len, c.spec.eos_token_ids.clone()),
+            ModelSource::Synthetic(s) => (s.context_len, Vec::new()),
+        }
+    }
+}
 
 /// How to run the engine.
 #[derive(Clone, Debug)]
@@ -131,8 +182,8 @@ pub enum StartError {
     Exited,
 }
 
-/// Starts the engine thread for `ckpt`; returns once the model is on the device.
-pub fn start(cfg: EngineConfig, ckpt: Checkpoint) -> Result<EngineHandle, StartError> {
+/// Starts the engine thread for `source`; returns once the model is on the device.
+pub fn start(cfg: EngineConfig, source: ModelSource) -> Result<EngineHandle, StartError> {
     let (submit, requests) = mpsc::channel();
     let (ready_tx, ready) = mpsc::channel();
     let metrics = Arc::new(Metrics::default());
@@ -143,7 +194,7 @@ pub fn start(cfg: EngineConfig, ckpt: Checkpoint) -> Result<EngineHandle, StartE
             let kind = cfg.backend;
             let runner = Runner {
                 cfg,
-                ckpt,
+                source,
                 requests,
                 ready: ready_tx.clone(),
                 metrics: m,
@@ -164,7 +215,7 @@ pub fn start(cfg: EngineConfig, ckpt: Checkpoint) -> Result<EngineHandle, StartE
 
 struct Runner {
     cfg: EngineConfig,
-    ckpt: Checkpoint,
+    source: ModelSource,
     requests: Receiver<Submission>,
     ready: Sender<Result<ModelInfo, StartError>>,
     metrics: Arc<Metrics>,
@@ -178,7 +229,7 @@ impl BackendVisitor for Runner {
             let _ = self.ready.send(Err(e));
         };
         tracing::info!(device = %report.name, backend = ?report.backend, "loading the model");
-        let model = match GpuModel::load_with(client, &self.ckpt, self.cfg.precision) {
+        let model = match self.source.load(client, self.cfg.precision) {
             Ok(m) => m,
             Err(e) => return fail(StartError::Load(e)),
         };
@@ -193,11 +244,11 @@ impl BackendVisitor for Runner {
             }
         };
         let pool = model.kv_pool(pages, page, self.cfg.kv_format);
-        let spec = &self.ckpt.spec;
+        let (context_len, eos_token_ids) = self.source.limits();
         let info = ModelInfo {
             vocab_size: model.config.vocab_size,
-            context_len: spec.context_len,
-            eos_token_ids: spec.eos_token_ids.clone(),
+            context_len,
+            eos_token_ids,
             page_size: page,
             kv_pages: pages,
             device: report.name.clone(),
@@ -226,7 +277,14 @@ impl BackendVisitor for Runner {
         if self.ready.send(Ok(info)).is_err() {
             return;
         }
-        run(&model, &pool, &mut sched, &self.requests, vocab);
+        run(
+            &model,
+            &pool,
+            &mut sched,
+            &self.requests,
+            vocab,
+            &self.metrics,
+        );
     }
 }
 
@@ -269,6 +327,7 @@ fn run<R: Runtime>(
     sched: &mut Scheduler,
     requests: &Receiver<Submission>,
     vocab: usize,
+    metrics: &Metrics,
 ) {
     loop {
         // Idle: block for work (waking now and then to notice a closed channel).
@@ -282,15 +341,27 @@ fn run<R: Runtime>(
         while let Ok(s) = requests.try_recv() {
             sched.add(s);
         }
+        let start = Instant::now();
         sched.abort_cancelled();
-        sched.abort_stalled(Instant::now());
+        sched.abort_stalled(start);
         let Some(step) = sched.schedule() else {
             // Waiting requests that cannot start yet: wait for new work, not spin.
             std::thread::sleep(Duration::from_millis(1));
             continue;
         };
+        let planned = Instant::now();
         match model.step(&step.batch, pool) {
-            Ok(out) => sched.complete(step, &out.logits, vocab),
+            Ok(out) => {
+                let ran = Instant::now();
+                sched.complete(step, &out.logits, vocab);
+                let issue = Duration::from_secs_f64(out.issue_seconds);
+                metrics.record_step(
+                    planned - start,
+                    issue,
+                    (ran - planned).saturating_sub(issue),
+                    ran.elapsed(),
+                );
+            }
             Err(e) => {
                 tracing::error!(error = %e, "step failed");
                 sched.fail(step, &e.to_string());

@@ -103,6 +103,13 @@ pub struct Metrics {
     pub requests_rejected: Counter,
     pub preemptions: Counter,
     pub steps: Counter,
+    /// Where the engine thread's time goes, step by step (microseconds): planning the
+    /// step, issuing its kernels, waiting for the device and reading the logits back,
+    /// then sampling and handing out tokens.
+    pub step_schedule_us: Counter,
+    pub step_issue_us: Counter,
+    pub step_device_us: Counter,
+    pub step_complete_us: Counter,
     pub ttft: Histogram,
     pub itl: Histogram,
 }
@@ -123,6 +130,10 @@ impl Default for Metrics {
             requests_rejected: Counter::default(),
             preemptions: Counter::default(),
             steps: Counter::default(),
+            step_schedule_us: Counter::default(),
+            step_issue_us: Counter::default(),
+            step_device_us: Counter::default(),
+            step_complete_us: Counter::default(),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
         }
@@ -130,6 +141,21 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Adds one step's phases to the step-time counters.
+    pub fn record_step(
+        &self,
+        schedule: Duration,
+        issue: Duration,
+        device: Duration,
+        complete: Duration,
+    ) {
+        let us = |d: Duration| d.as_micros() as u64;
+        self.step_schedule_us.add(us(schedule));
+        self.step_issue_us.add(us(issue));
+        self.step_device_us.add(us(device));
+        self.step_complete_us.add(us(complete));
+    }
+
     /// Cached prompt tokens over all prompt tokens admitted so far (0 before any).
     pub fn cache_hit_rate(&self) -> f64 {
         let prompt = self.prompt_tokens.get();
@@ -221,6 +247,26 @@ impl Metrics {
             self.preemptions.get(),
         );
         counter("steps_total", "Forward steps run.", self.steps.get());
+        for (name, help, c) in [
+            ("schedule", "planning steps", &self.step_schedule_us),
+            ("issue", "issuing steps' kernels", &self.step_issue_us),
+            (
+                "device",
+                "waiting for the device and reading logits back",
+                &self.step_device_us,
+            ),
+            (
+                "complete",
+                "sampling and handing out tokens",
+                &self.step_complete_us,
+            ),
+        ] {
+            counter(
+                &format!("step_{name}_microseconds_total"),
+                &format!("Engine-thread time spent {help}."),
+                c.get(),
+            );
+        }
         self.ttft.render(
             &mut out,
             "kiln_time_to_first_token_seconds",

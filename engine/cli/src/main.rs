@@ -6,6 +6,7 @@ mod check;
 mod generate;
 mod info;
 mod serve;
+mod synthetic;
 
 use clap::{Parser, Subcommand};
 

@@ -5,10 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::args::{DeviceArgs, PrefixCacheArg};
+use crate::synthetic::SyntheticArgs;
 use anyhow::Context;
 use axum::serve::ListenerExt;
 use clap::Args;
-use kiln::engine::{self, EngineConfig};
+use kiln::engine::{self, EngineConfig, ModelSource};
 use kiln::model::default_model;
 use kiln::model::tokenizer::TextCodec;
 use kiln::model::Checkpoint;
@@ -36,6 +37,8 @@ pub struct ServeArgs {
     api_key: Option<String>,
     #[command(flatten)]
     device: DeviceArgs,
+    #[command(flatten)]
+    synthetic: SyntheticArgs,
     /// Tokens per KV page (the prefix cache shares whole pages).
     #[arg(long, default_value_t = 64)]
     page_size: usize,
@@ -111,21 +114,53 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         "--max-batch-tokens must be at least --max-running-requests (each runs one token a step)"
     );
     let kind = args.device.backend()?;
-    let (dir, name, temporary) = match &args.model {
-        Some(d) => {
-            let name = d
-                .file_name()
-                .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-            (d.clone(), name, false)
+    let (source, codec, name, temporary) = match args.synthetic.spec()? {
+        Some(spec) => {
+            let c = &spec.config;
+            tracing::info!(
+                layers = c.num_hidden_layers,
+                heads = c.num_attention_heads,
+                experts = c.n_routed_experts,
+                vocab = c.vocab_size,
+                tp_rank_of = ?spec.tp_ranks,
+                quant = ?spec.quant,
+                "serving a synthetic model (weights generated on the device; outputs mean nothing)"
+            );
+            let name = args.synthetic.name();
+            (
+                ModelSource::Synthetic(spec),
+                default_model::codec(),
+                name,
+                None,
+            )
         }
         None => {
-            let dir = default_model::materialize().context("writing the default model")?;
-            tracing::info!("no --model: serving the embedded default model (random weights)");
-            (dir, default_model::NAME.to_string(), true)
+            let (dir, name, temporary) = match &args.model {
+                Some(d) => {
+                    let name = d
+                        .file_name()
+                        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+                    (d.clone(), name, false)
+                }
+                None => {
+                    let dir = default_model::materialize().context("writing the default model")?;
+                    tracing::info!(
+                        "no --model: serving the embedded default model (random weights)"
+                    );
+                    (dir, default_model::NAME.to_string(), true)
+                }
+            };
+            let ckpt =
+                Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+            let codec = TextCodec::from_dir(&dir)?;
+            (
+                ModelSource::Checkpoint(ckpt),
+                codec,
+                name,
+                temporary.then_some(dir),
+            )
         }
     };
-    let ckpt = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
-    let codec = TextCodec::from_dir(&dir)?;
     let cfg = EngineConfig {
         backend: kind,
         kv_format: args.device.kv_cache_dtype.into(),
@@ -138,8 +173,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         cache: args.prefix_cache.into(),
         stall_timeout,
     };
-    let engine = engine::start(cfg, ckpt)?;
-    if temporary {
+    let engine = engine::start(cfg, source)?;
+    if let Some(dir) = temporary {
         // Loaded onto the device: the files are no longer needed.
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -473,3 +473,54 @@ fn an_empty_api_key_is_refused_at_start_up() {
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_hundred_streams_half_of_them_abandoned_leave_nothing_behind() {
+    let server = Server::start(&["--max-running-requests", "64"]);
+    let url = format!("{}/v1/completions", server.url);
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let streams = (0..200u32).map(|i| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let body = json!({"prompt": [3 + i % 300, 7, 9], "max_tokens": 40,
+                              "stream": true, "ignore_eos": true});
+            let resp = http.post(&url).json(&body).send().await.expect("sent");
+            let mut bytes = resp.bytes_stream();
+            if i % 2 == 1 {
+                // Read a little, then go away mid-stream.
+                let _ = bytes.next().await;
+                return None;
+            }
+            let mut text = String::new();
+            while let Some(chunk) = bytes.next().await {
+                text.push_str(&String::from_utf8_lossy(&chunk.expect("read")));
+            }
+            Some(text)
+        }
+    });
+    let results = futures_util::future::join_all(streams).await;
+    for text in results.iter().flatten() {
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        assert_eq!(
+            text.matches("\"finish_reason\":\"length\"").count(),
+            1,
+            "{text}"
+        );
+    }
+    let start = Instant::now();
+    while server.metric("kiln_num_running_reqs") + server.metric("kiln_num_queue_reqs") > 0.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "requests left running"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(server.metric("kiln_kv_usage"), 0.0);
+    let ended = server.metric("kiln_requests_finished_total")
+        + server.metric("kiln_requests_aborted_total");
+    assert_eq!(ended, 200.0);
+    assert!(server.metric("kiln_requests_aborted_total") >= 1.0);
+}

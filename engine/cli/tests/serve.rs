@@ -411,3 +411,62 @@ async fn the_same_seed_samples_the_same_completion() {
         "another seed, another sample"
     );
 }
+
+/// `--synthetic`: the tiny architecture as one rank of TP2 with every projection NVFP4 and
+/// the all-reduces stood in for, served end to end on token ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_synthetic_rank_serves_token_ids_end_to_end() {
+    let server = Server::start(&["--synthetic", "tiny", "--tp-rank-of", "2", "--nvfp4-all"]);
+    let (status, models) = {
+        let resp = reqwest::get(format!("{}/v1/models", server.url))
+            .await
+            .unwrap();
+        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+    };
+    assert_eq!(status, 200);
+    assert_eq!(models["data"][0]["id"], "synthetic-tiny-tp2-rank-nvfp4");
+    let body = json!({"input_ids": [5, 6, 7, 8], "stream": false,
+                      "sampling_params": {"max_new_tokens": 12, "ignore_eos": true}});
+    let (status, out) = post(&format!("{}/generate", server.url), body.to_string(), None).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(
+        out["output_ids"].as_array().map(Vec::len),
+        Some(12),
+        "{out}"
+    );
+    // Ids index the rank's vocabulary slice (256 of the tiny model's 512, plus padding).
+    assert!(out["output_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t.as_u64().unwrap() < 257));
+    assert!(server.log_text().contains("all-reduce stand-in calibrated"));
+}
+
+#[test]
+fn impossible_synthetic_cuts_fail_at_start_up_with_the_flag_named() {
+    for (args, says) in [
+        (
+            vec!["--synthetic", "kimi-k2.6", "--layers", "0"],
+            "--layers must be 1 to 61",
+        ),
+        (
+            vec!["--synthetic", "tiny", "--tp-rank-of", "4"],
+            "--tp-rank-of 4",
+        ),
+        (
+            vec!["--synthetic", "tiny", "--tp-rank-of", "3"],
+            "--tp-rank-of must be one of",
+        ),
+        (vec!["--layers", "2"], "--synthetic"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .arg("serve")
+            .args(&args)
+            .output()
+            .expect("kiln runs");
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}

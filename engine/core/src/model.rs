@@ -63,3 +63,52 @@ impl ModelConfig {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
 }
+
+impl ModelConfig {
+    /// Kimi K2.x's text model (K2, K2.5, K2.6 share it): 61 layers (the first dense), 64
+    /// heads, 384 routed experts of 2048 (top 8) plus one shared, vocabulary 163,840
+    /// (`shared/ANCHORS.md`, from the released `config.json`).
+    pub fn kimi_k2() -> Self {
+        ModelConfig {
+            vocab_size: 163_840,
+            hidden_size: 7168,
+            intermediate_size: 18432,
+            moe_intermediate_size: 2048,
+            num_hidden_layers: 61,
+            num_attention_heads: 64,
+            q_lora_rank: Some(1536),
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+            n_routed_experts: 384,
+            n_shared_experts: 1,
+            num_experts_per_tok: 8,
+            n_group: 1,
+            topk_group: 1,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.827,
+            first_k_dense_replace: 1,
+            rms_norm_eps: 1e-5,
+            rope: YarnConfig::kimi_k2(),
+            tie_word_embeddings: false,
+        }
+    }
+
+    /// DeepSeek-V3: Kimi K2's shape with 128 heads, 256 routed experts in 8 groups (top 4
+    /// groups), the first three layers dense, vocabulary 129,280.
+    pub fn deepseek_v3() -> Self {
+        ModelConfig {
+            vocab_size: 129_280,
+            num_attention_heads: 128,
+            n_routed_experts: 256,
+            n_group: 8,
+            topk_group: 4,
+            routed_scaling_factor: 2.5,
+            first_k_dense_replace: 3,
+            rms_norm_eps: 1e-6,
+            rope: YarnConfig::deepseek_v3(),
+            ..Self::kimi_k2()
+        }
+    }
+}

@@ -154,7 +154,8 @@ impl Scheduler {
     }
 
     /// Plans the next step; `None` if there is nothing to run. A request whose client
-    /// has no room for the next token is left out (paused) until it reads.
+    /// has no room for the next token is left out (paused) until it reads; it keeps its
+    /// pages, but its slot goes to a waiting request (`max_running` counts the others).
     pub fn schedule(&mut self) -> Option<Step> {
         let now = Instant::now();
         for r in &mut self.running {
@@ -186,7 +187,10 @@ impl Scheduler {
                 i += 1;
             }
         }
-        while !starved && budget > 0 && self.running.len() < self.cfg.max_running {
+        // A paused request keeps its pages but not its slot in the batch.
+        let active =
+            |running: &[Request]| running.iter().filter(|r| r.stalled_since.is_none()).count();
+        while !starved && budget > 0 && active(&self.running) < self.cfg.max_running {
             let Some(n) = self.admit(budget) else { break };
             plan.push(n);
             budget -= n;

@@ -332,3 +332,15 @@ fn a_client_that_does_not_read_pauses_its_request_and_is_aborted_after_the_timeo
     assert_eq!(run.metrics.kv_usage.get(), 0.0, "its pages freed");
     run.sched.check_pages();
 }
+
+#[test]
+fn a_paused_request_gives_its_batch_slot_to_a_waiting_one() {
+    let mut run = Run::new(config(4, 256, 1), 256);
+    let _slow = run.submit_with_room(0, vec![3; 10], 1000, EVENT_BUFFER);
+    let mut next = run.submit(1, vec![4; 10], 20);
+    for _ in 0..200 {
+        run.step();
+    }
+    assert!(outcome(&mut next).1.is_some(), "{}", run.sched.describe());
+    run.sched.check_pages();
+}

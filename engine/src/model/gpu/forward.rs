@@ -66,6 +66,7 @@ impl<R: Runtime> GpuModel<R> {
                 ))?;
             }
             self.attention(&layer.attn, &x, &plan, &pool.caches[i], &delta)?;
+            self.all_reduced(t)?;
             self.launched(add_rmsnorm(
                 cl,
                 &residual,
@@ -79,6 +80,7 @@ impl<R: Runtime> GpuModel<R> {
                 Ffn::Dense(mlp) => self.mlp(mlp, &x, t, &delta)?,
                 Ffn::Moe(moe) => self.moe(moe, &x, t, &delta)?,
             }
+            self.all_reduced(t)?;
             if batch.capture.contains(&i) {
                 // The layer's output is residual + delta; the device adds them in the next
                 // fused norm, the host adds them here (the same f32 sum).
@@ -124,6 +126,14 @@ impl<R: Runtime> GpuModel<R> {
     fn launched<T>(&self, result: Result<T, KernelError>) -> Result<T, ModelError> {
         self.launches.fetch_add(1, Ordering::Relaxed);
         Ok(result?)
+    }
+
+    /// The stand-in of a rank's all-reduce of `t` tokens' bf16 hidden states, if any.
+    fn all_reduced(&self, t: usize) -> Result<(), ModelError> {
+        match &self.all_reduce {
+            Some(a) => self.launched(a.run(&self.client, t * self.config.hidden_size * 2)),
+            None => Ok(()),
+        }
     }
 
     /// A scratch buffer; every one in the forward pass is fully written by the kernel that

@@ -19,8 +19,10 @@ use kiln_kernels::mla::{KvBShape, KvFormat, PagedKvCache};
 use kiln_kernels::moe::GateParams;
 use kiln_kernels::{DeviceArray, KernelError, Precision};
 
+use crate::model::tp::AllReduceStandIn;
 pub use batch::{Batch, KvPool, LogitRows, RequestSlice, StepOutput};
 pub(crate) use forward::RankStep;
+pub use synthetic::SyntheticQuant;
 use upload::{vector, DeviceLinear};
 
 use super::weights::{needed_tensors, progress_bar, Checkpoint, LoadError, LoadedWeight};
@@ -63,6 +65,8 @@ pub enum ModelError {
     Unsupported(String),
     #[error("bad batch: {0}")]
     Batch(String),
+    #[error("device error: {0}")]
+    Device(String),
 }
 
 enum QProj {
@@ -134,6 +138,9 @@ pub struct GpuModel<R: Runtime> {
     precision: Precision,
     /// Kernel launches issued so far (per model, for the step statistics).
     launches: AtomicUsize,
+    /// Device work in place of the all-reduces a tensor-parallel rank would run (one GPU
+    /// serving one rank's shapes); `None`: the model is whole.
+    all_reduce: Option<AllReduceStandIn>,
 }
 
 impl<R: Runtime> GpuModel<R> {
@@ -272,12 +279,21 @@ impl<R: Runtime> GpuModel<R> {
             },
             precision,
             launches: AtomicUsize::new(0),
+            all_reduce: None,
             config: c,
             client,
         }
     }
 
     /// A KV pool for this model: `num_pages` pages of `page_size` tokens per layer.
+    /// This model as one rank of tensor parallelism over `ranks` GPUs on one GPU: after
+    /// attention and after the MLP of every layer it runs device work of the modelled
+    /// time of the all-reduce a rank would wait for there (see `model::tp::all_reduce`).
+    pub fn with_all_reduce_stand_in(mut self, ranks: usize) -> Result<Self, ModelError> {
+        self.all_reduce = Some(AllReduceStandIn::calibrate(&self.client, ranks)?);
+        Ok(self)
+    }
+
     pub fn kv_pool(&self, num_pages: usize, page_size: usize, format: KvFormat) -> KvPool {
         let words = num_pages * page_size * format.words_per_row();
         let caches = (0..self.config.num_hidden_layers)

@@ -1,6 +1,8 @@
 //! Full-width models with pseudo-random weights generated on the device (no file, no host
-//! copy of the weights): routed experts in NVFP4, everything else in bf16, norms at 1.
-//! For benchmarks at the real shapes; their outputs mean nothing.
+//! copy of the weights): routed experts in NVFP4 and everything else in bf16, or
+//! ([`SyntheticQuant::All`]) the shared experts, dense MLPs and attention projections in
+//! NVFP4 too (`kv_b`, the router, embedding and lm_head stay bf16); norms at 1. For
+//! benchmarks at the real shapes; their outputs mean nothing.
 use cubecl::prelude::*;
 use kiln_core::model::ModelConfig;
 use kiln_kernels::fill::fill_random_bits;
@@ -22,6 +24,7 @@ const GLOBAL_SCALE: f32 = 0.004;
 struct Filler<'a, R: Runtime> {
     client: &'a ComputeClient<R>,
     seed: u32,
+    precision: Precision,
 }
 
 impl<R: Runtime> Filler<'_, R> {
@@ -52,7 +55,7 @@ impl<R: Runtime> Filler<'_, R> {
             n,
             k,
             // Random codes and positive, finite scales are valid in either layout.
-            layout: nvfp4_layout(self.client, n, k, Precision::default()),
+            layout: nvfp4_layout(self.client, n, k, self.precision),
         }))
     }
 
@@ -82,13 +85,41 @@ impl<R: Runtime> Filler<'_, R> {
     }
 }
 
+/// Which synthetic weights are NVFP4.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyntheticQuant {
+    /// The routed experts (as Kimi's release and NVIDIA's NVFP4 checkpoints ship them).
+    Experts,
+    /// Every projection but `kv_b`, the router and lm_head (the write-up quantized the
+    /// shared experts too).
+    All,
+}
+
 impl<R: Runtime> GpuModel<R> {
     /// A model of `c`'s shape with device-generated random weights (`kv_lora_rank` 512,
-    /// `qk_rope_head_dim` 64, `q_lora_rank` set, as in DeepSeek-V3 and Kimi K2).
+    /// `qk_rope_head_dim` 64, `q_lora_rank` set, as in DeepSeek-V3 and Kimi K2), routed
+    /// experts in NVFP4, tensor cores where the device has them.
     pub fn synthetic(
         client: ComputeClient<R>,
         c: ModelConfig,
         seed: u32,
+    ) -> Result<Self, ModelError> {
+        Self::synthetic_with(
+            client,
+            c,
+            seed,
+            SyntheticQuant::Experts,
+            Precision::default(),
+        )
+    }
+
+    /// [`GpuModel::synthetic`] with a choice of NVFP4 weights and kernel precision.
+    pub fn synthetic_with(
+        client: ComputeClient<R>,
+        c: ModelConfig,
+        seed: u32,
+        quant: SyntheticQuant,
+        precision: Precision,
     ) -> Result<Self, ModelError> {
         let Some(r) = c
             .q_lora_rank
@@ -101,28 +132,43 @@ impl<R: Runtime> GpuModel<R> {
         let mut f = Filler {
             client: &client,
             seed,
+            precision,
         };
         let (h, heads) = (c.hidden_size, c.num_attention_heads);
         let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+        let all = quant == SyntheticQuant::All;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
+            let mut proj = |n, k| {
+                if all {
+                    f.nvfp4(1, n, k)
+                } else {
+                    f.bf16(1, n, k)
+                }
+            };
+            let (q_a, q_b, kv_a, o) = (
+                proj(r, h)?,
+                proj(heads * qk, r)?,
+                proj(576, h)?,
+                proj(h, heads * c.v_head_dim)?,
+            );
             let attn = Attention {
                 q: QProj::Lora {
-                    a: f.bf16(1, r, h)?,
+                    a: q_a,
                     norm: f.ones(r),
-                    b: f.bf16(1, heads * qk, r)?,
+                    b: q_b,
                 },
-                kv_a: f.bf16(1, 576, h)?,
+                kv_a,
                 kv_a_norm: f.ones(512),
                 kv_b: f.words(
                     heads * (c.qk_nope_head_dim + c.v_head_dim) * 512 / 2,
                     BF16_AND,
                     BF16_OR,
                 )?,
-                o: f.bf16(1, h, heads * c.v_head_dim)?,
+                o,
             };
             let ffn = if i < c.first_k_dense_replace {
-                Ffn::Dense(f.mlp(1, h, c.intermediate_size, false)?)
+                Ffn::Dense(f.mlp(1, h, c.intermediate_size, all)?)
             } else {
                 let shared_inter = c.moe_intermediate_size * c.n_shared_experts;
                 Ffn::Moe(Moe {
@@ -130,7 +176,7 @@ impl<R: Runtime> GpuModel<R> {
                     bias: DeviceArray::upload(&client, &vec![0.0f32; c.n_routed_experts]),
                     experts: f.mlp(c.n_routed_experts, h, c.moe_intermediate_size, true)?,
                     shared: if shared_inter > 0 {
-                        Some(f.mlp(1, h, shared_inter, false)?)
+                        Some(f.mlp(1, h, shared_inter, all)?)
                     } else {
                         None
                     },
@@ -149,7 +195,7 @@ impl<R: Runtime> GpuModel<R> {
             norm: f.ones(h),
             lm_head: f.bf16(1, c.vocab_size, h)?,
         };
-        Ok(Self::assemble(client, c, weights, Precision::default()))
+        Ok(Self::assemble(client, c, weights, precision))
     }
 
     /// The device client the model runs on.

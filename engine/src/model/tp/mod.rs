@@ -87,9 +87,11 @@
 //!   `benches/layer_decode` does), per-layer decode step time at TP 1/2/4/8 and batch
 //!   1/8/32, with the all-reduce share of the step, recorded in `benches/RESULTS.md`; and
 //!   the TP = N vs TP = 1 logits test of `engine/tests/tp.rs` across real GPUs.
+mod all_reduce;
 mod model;
 pub mod shard;
 
+pub use all_reduce::{modelled_seconds, AllReduceStandIn, MODELLED_RANKS};
 pub use model::{ShardedKvPool, ShardedModel};
 pub use shard::{shard, RankWeights, SliceError, Split};
 
