@@ -87,6 +87,7 @@ fn scheduling(c: &mut Criterion) {
         context_len: 1 << 20,
         eos_token_ids: vec![],
         stall_timeout: std::time::Duration::from_secs(60),
+        speculative: None,
     };
     let metrics = Arc::new(Metrics::default());
     let cache = Box::new(RadixCache::new(PAGE));

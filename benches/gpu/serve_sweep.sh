@@ -27,7 +27,7 @@ echo "serving after $(( $(date +%s) - start )) s" | tee "$out/startup.txt"
 for c in $sweep; do
   curl -s localhost:8765/metrics > "$out/metrics-before-c$c.txt"
   .gpu/kiln bench --url http://127.0.0.1:8765 --sweep "$c" --duration "$duration" \
-    --scale "$scale" --think-scale 0 --max-token-id 150000 --quiet \
+    --scale "$scale" --think-scale 0 --max-token-id 40000 --quiet \
     --json "$out/bench-c$c.json" 2>&1 | tee "$out/bench-c$c.log"
   curl -s localhost:8765/metrics > "$out/metrics-after-c$c.txt"
 done

@@ -22,6 +22,7 @@ use crate::metrics::Metrics;
 use crate::model::gpu::{Batch, GpuModel, KvPool, ModelError, RequestSlice, SyntheticQuant};
 use crate::model::Checkpoint;
 use crate::scheduler::{policy, Scheduler, SchedulerConfig, Submission};
+use crate::speculative::SpecConfig;
 use kiln_core::model::ModelConfig;
 
 /// The weights the engine serves.
@@ -93,6 +94,8 @@ pub struct EngineConfig {
     /// How long a request may wait on a client that reads none of its output before it is
     /// aborted (its output is held in a bounded buffer meanwhile).
     pub stall_timeout: Duration,
+    /// Speculative decoding (`None`: off).
+    pub speculative: Option<SpecConfig>,
 }
 
 /// What the server needs to know about the running model.
@@ -267,6 +270,7 @@ impl BackendVisitor for Runner {
             context_len: info.context_len,
             eos_token_ids: info.eos_token_ids.clone(),
             stall_timeout: self.cfg.stall_timeout,
+            speculative: self.cfg.speculative,
         };
         let cache = self.cfg.cache.build(page);
         let mut sched = Scheduler::new(sched_cfg, pages, cache, self.metrics.clone());

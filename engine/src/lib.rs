@@ -10,3 +10,4 @@ pub mod sampling;
 pub mod scheduler;
 #[cfg(feature = "server")]
 pub mod server;
+pub mod speculative;

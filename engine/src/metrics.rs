@@ -110,6 +110,9 @@ pub struct Metrics {
     pub step_issue_us: Counter,
     pub step_device_us: Counter,
     pub step_complete_us: Counter,
+    /// Speculative decoding: tokens drafted, and those verification accepted.
+    pub spec_drafted_tokens: Counter,
+    pub spec_accepted_tokens: Counter,
     pub ttft: Histogram,
     pub itl: Histogram,
 }
@@ -134,6 +137,8 @@ impl Default for Metrics {
             step_issue_us: Counter::default(),
             step_device_us: Counter::default(),
             step_complete_us: Counter::default(),
+            spec_drafted_tokens: Counter::default(),
+            spec_accepted_tokens: Counter::default(),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
         }
@@ -247,6 +252,16 @@ impl Metrics {
             self.preemptions.get(),
         );
         counter("steps_total", "Forward steps run.", self.steps.get());
+        counter(
+            "spec_drafted_tokens_total",
+            "Tokens drafted for speculative decoding.",
+            self.spec_drafted_tokens.get(),
+        );
+        counter(
+            "spec_accepted_tokens_total",
+            "Drafted tokens verification accepted.",
+            self.spec_accepted_tokens.get(),
+        );
         for (name, help, c) in [
             ("schedule", "planning steps", &self.step_schedule_us),
             ("issue", "issuing steps' kernels", &self.step_issue_us),

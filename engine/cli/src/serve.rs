@@ -14,6 +14,7 @@ use kiln::model::default_model;
 use kiln::model::tokenizer::TextCodec;
 use kiln::model::Checkpoint;
 use kiln::server::{router, AppState, KimiFormat};
+use kiln::speculative::{DrafterKind, SpecConfig};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -72,6 +73,21 @@ pub struct ServeArgs {
     /// wait in a bounded buffer, the request paused) before it is aborted.
     #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
     client_stall_timeout: f64,
+    /// Speculative decoding: off, or ngram (prompt lookup: drafts copied from where the
+    /// request's last tokens occurred before, verified in the next step; the output is
+    /// the same as without, greedy or sampled). Off above 16 decoding requests.
+    #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
+    speculative: SpeculativeArg,
+    /// Most tokens a request drafts per step.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    max_draft_tokens: usize,
+}
+
+/// `--speculative`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum SpeculativeArg {
+    Off,
+    Ngram,
 }
 
 /// A duration flag: finite and not negative.
@@ -172,6 +188,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_running: args.max_running_requests,
         cache: args.prefix_cache.into(),
         stall_timeout,
+        speculative: match args.speculative {
+            SpeculativeArg::Off => None,
+            SpeculativeArg::Ngram => Some(SpecConfig {
+                drafter: DrafterKind::Ngram,
+                max_draft: args.max_draft_tokens,
+            }),
+        },
     };
     let engine = engine::start(cfg, source)?;
     if let Some(dir) = temporary {

@@ -470,3 +470,48 @@ fn impossible_synthetic_cuts_fail_at_start_up_with_the_flag_named() {
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
 }
+
+/// `--speculative ngram`: greedy outputs over HTTP are the same tokens as without it, for
+/// prompts the drafter gets right (repeats) and wrong, sent together in mixed batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn speculative_decoding_over_http_gives_the_same_greedy_tokens() {
+    let plain = Server::start(&[]);
+    let spec = Server::start(&["--speculative", "ngram", "--max-draft-tokens", "4"]);
+    let prompts: Vec<Vec<u32>> = (0..12u32)
+        .map(|i| match i % 3 {
+            0 => (0..30).map(|t| 5 + (t + i) % 6).collect(),
+            1 => (0..20).map(|t| 3 + (t * 37 + i * 11) % 500).collect(),
+            _ => [
+                vec![40 + i, 41, 42, 43],
+                vec![40 + i, 41, 42, 43],
+                vec![40 + i, 41],
+            ]
+            .concat(),
+        })
+        .collect();
+    let run = |url: String| {
+        let prompts = prompts.clone();
+        async move {
+            let url = format!("{url}/generate");
+            let calls = prompts.iter().map(|p| {
+                let body = json!({"input_ids": p, "sampling_params": {"max_new_tokens": 40,
+                                  "temperature": 0, "ignore_eos": true}});
+                post(&url, body.to_string(), None)
+            });
+            futures_util::future::join_all(calls).await
+        }
+    };
+    let (a, b) = tokio::join!(run(plain.url.clone()), run(spec.url.clone()));
+    for (i, ((sa, ra), (sb, rb))) in a.iter().zip(&b).enumerate() {
+        assert_eq!((*sa, *sb), (200, 200), "{ra} {rb}");
+        assert_eq!(ra["output_ids"], rb["output_ids"], "prompt {i}");
+    }
+    assert!(spec.metric("kiln_spec_drafted_tokens_total") > 0.0);
+    let accepted = spec.metric("kiln_spec_accepted_tokens_total");
+    let verified: u64 = b
+        .iter()
+        .filter_map(|(_, r)| r["meta_info"]["spec_verify_ct"].as_u64())
+        .sum();
+    assert!(verified > 0, "meta_info reports verification steps");
+    eprintln!("accepted {accepted} drafted tokens over {verified} verification steps");
+}

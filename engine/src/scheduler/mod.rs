@@ -24,8 +24,9 @@ pub use request::{Event, FinishReason, SamplingParams, Submission, Usage, EVENT_
 
 use crate::cache::{PagePool, PrefixCache};
 use crate::metrics::Metrics;
-use crate::model::gpu::{Batch, RequestSlice};
-use crate::sampling::sample;
+use crate::model::gpu::{Batch, LogitRows, RequestSlice};
+use crate::sampling::{sample, verify};
+use crate::speculative::{draft_len, Drafter, SpecConfig};
 
 /// Fewest pages one eviction frees when the free list runs short.
 const EVICT_BATCH: usize = 16;
@@ -44,14 +45,26 @@ pub struct SchedulerConfig {
     /// How long a running request may wait on a client that reads none of its output
     /// before it is aborted (see [`EVENT_BUFFER`]).
     pub stall_timeout: Duration,
+    /// Speculative decoding (`None`: one token per request a step).
+    pub speculative: Option<SpecConfig>,
 }
 
 /// The work of one step: the batch and which request each slice belongs to.
 #[derive(Debug)]
 pub struct Step {
     pub batch: Batch,
-    /// Per slice: the request's id and the tokens it runs.
-    slices: Vec<(u64, usize)>,
+    slices: Vec<Slice>,
+}
+
+/// One request's part of a step.
+#[derive(Debug)]
+struct Slice {
+    id: u64,
+    /// Tokens of the request's own it runs (prefill chunk, or its last token).
+    tokens: usize,
+    /// Drafted tokens run after them, to verify (each gets a logits row, as does the last
+    /// of the request's own).
+    draft: Vec<u32>,
 }
 
 /// Waiting and running requests, the page pool and the prefix cache.
@@ -63,6 +76,7 @@ pub struct Scheduler {
     /// In admission order: earlier requests have priority.
     running: Vec<Request>,
     metrics: Arc<Metrics>,
+    drafter: Option<Box<dyn Drafter>>,
 }
 
 impl Scheduler {
@@ -75,7 +89,9 @@ impl Scheduler {
     ) -> Self {
         assert!(cfg.max_batch_tokens >= cfg.max_running && cfg.max_running > 0);
         metrics.kv_total_pages.set(num_pages as f64);
+        let drafter = cfg.speculative.map(|s| s.drafter.build());
         Scheduler {
+            drafter,
             cfg,
             pool: PagePool::new(num_pages),
             cache,
@@ -167,6 +183,8 @@ impl Scheduler {
         }
         let mut budget = self.cfg.max_batch_tokens;
         let mut plan: Vec<usize> = vec![0; self.running.len()];
+        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); self.running.len()];
+        let decoding = self.decoding();
         // A running request left out for lack of pages: newcomers must not take them.
         let mut starved = false;
         // Decode first, then prefill chunks, each in admission order.
@@ -176,10 +194,18 @@ impl Scheduler {
                 let pending = self.running[i].pending();
                 let paused = self.running[i].stalled_since.is_some();
                 if plan[i] == 0 && !paused && (pending == 1) == decode_pass {
-                    match self.plan_one(i, policy::chunk_len(pending, budget), &mut plan) {
+                    let draft = match decode_pass {
+                        true => self.draft(i, decoding, budget),
+                        false => Vec::new(),
+                    };
+                    let want = policy::chunk_len(pending, budget) + draft.len();
+                    match self.plan_one(i, want, &mut plan) {
                         Some(n) => {
                             plan[i] = n;
                             budget -= n;
+                            // Pages short of the whole draft: what fits of it.
+                            drafts[i] =
+                                draft[..n.saturating_sub(pending).min(draft.len())].to_vec();
                         }
                         None => starved = true,
                     }
@@ -187,6 +213,7 @@ impl Scheduler {
                 i += 1;
             }
         }
+        drafts.truncate(self.running.len());
         // A paused request keeps its pages but not its slot in the batch.
         let active =
             |running: &[Request]| running.iter().filter(|r| r.stalled_since.is_none()).count();
@@ -196,20 +223,51 @@ impl Scheduler {
             budget -= n;
         }
         self.publish();
+        drafts.resize(self.running.len(), Vec::new());
         let (mut requests, mut slices) = (Vec::new(), Vec::new());
-        for (r, &n) in self.running.iter().zip(&plan).filter(|(_, &n)| n > 0) {
+        for ((r, &n), draft) in self.running.iter().zip(&plan).zip(drafts) {
+            if n == 0 {
+                continue;
+            }
             let kv_len = r.computed + n;
+            let own = n - draft.len();
+            let mut tokens = r.tokens[r.computed..r.computed + own].to_vec();
+            tokens.extend(&draft);
             requests.push(RequestSlice {
-                tokens: r.tokens[r.computed..kv_len].to_vec(),
+                tokens,
                 kv_len,
                 block_table: r.pages[..kv_len.div_ceil(self.cfg.page_size)].to_vec(),
             });
-            slices.push((r.id, n));
+            slices.push(Slice {
+                id: r.id,
+                tokens: own,
+                draft,
+            });
         }
-        (!requests.is_empty()).then(|| Step {
-            batch: Batch::last_logits(requests),
-            slices,
-        })
+        if requests.is_empty() {
+            return None;
+        }
+        let mut batch = Batch::last_logits(requests);
+        if slices.iter().any(|s| !s.draft.is_empty()) {
+            batch.logits = LogitRows::Tails(slices.iter().map(|s| 1 + s.draft.len()).collect());
+        }
+        Some(Step { batch, slices })
+    }
+
+    /// A draft for decoding request `i` (empty when speculation is off or cannot pay).
+    fn draft(&mut self, i: usize, decoding: usize, budget: usize) -> Vec<u32> {
+        let (Some(spec), Some(drafter)) = (self.cfg.speculative, self.drafter.as_mut()) else {
+            return Vec::new();
+        };
+        let r = &self.running[i];
+        let room = r.events.capacity();
+        let max = draft_len(spec.max_draft, decoding, budget, room);
+        if max == 0 {
+            return Vec::new();
+        }
+        let mut draft = drafter.propose(r.id, &r.tokens, max);
+        draft.truncate(max);
+        draft
     }
 
     /// Reserves pages for `n` tokens of running request `i`, or for the longest chunk the
@@ -298,43 +356,86 @@ impl Scheduler {
         Some(n)
     }
 
-    /// Takes the logits of `step` (one row per slice, `vocab` wide): advances each request,
-    /// samples where a request's pending tokens are all computed, sends its events and
-    /// retires finished requests.
+    /// Takes the logits of `step` (a row per slice, plus one per drafted token, `vocab`
+    /// wide): advances each request, samples where a request's pending tokens are all
+    /// computed (verifying its draft first: the accepted prefix, then one token of the
+    /// model's own), sends its events and retires finished requests.
     pub fn complete(&mut self, step: Step, logits: &[f32], vocab: usize) {
-        assert_eq!(logits.len(), step.slices.len() * vocab);
+        let rows: usize = step.slices.iter().map(|s| 1 + s.draft.len()).sum();
+        assert_eq!(logits.len(), rows * vocab);
         self.metrics.steps.add(1);
         let now = Instant::now();
         let mut finished = Vec::new();
-        for (row, &(id, n)) in step.slices.iter().enumerate() {
-            let idx = self.running.iter().position(|r| r.id == id);
+        let mut row = 0;
+        for slice in &step.slices {
+            let rows = &logits[row * vocab..(row + 1 + slice.draft.len()) * vocab];
+            row += 1 + slice.draft.len();
+            let idx = self.running.iter().position(|r| r.id == slice.id);
             let r = &mut self.running[idx.expect("a planned request is running")];
+            let n = slice.tokens;
             let prompt_done = r.computed < r.prompt_len && r.computed + n >= r.prompt_len;
             r.computed += n;
             if r.pending() > 0 {
                 continue; // mid-prefill: no token yet
             }
-            let row = &logits[row * vocab..(row + 1) * vocab];
-            let token = sample(row, r.params.temperature, r.params.top_p, &mut r.rng);
             match r.last_token_at {
                 None => self.metrics.ttft.observe(now - r.arrived),
                 Some(t) => self.metrics.itl.observe(now - t),
             }
             r.last_token_at = Some(now);
-            let stop = (!r.params.ignore_eos && self.cfg.eos_token_ids.contains(&token))
-                || r.params.stop_token_ids.contains(&token);
-            let reason = if stop {
-                Some(FinishReason::Stop)
-            } else {
+            // The draft's accepted prefix, then the model's own token at the first miss
+            // (or past the whole draft).
+            let (temperature, top_p) = (r.params.temperature, r.params.top_p);
+            let mut emitted = Vec::with_capacity(slice.draft.len() + 1);
+            for (j, row) in rows.chunks(vocab).enumerate() {
+                match slice.draft.get(j) {
+                    Some(&d) => match verify(row, d, temperature, top_p, &mut r.rng) {
+                        Ok(()) => emitted.push(d),
+                        Err(t) => {
+                            emitted.push(t);
+                            break;
+                        }
+                    },
+                    None => emitted.push(sample(row, temperature, top_p, &mut r.rng)),
+                }
+            }
+            let accepted = emitted.len() - 1;
+            // Every decode step counts as a verification (SGLang's `spec_verify_ct`, so
+            // completion tokens over it is the accept length), an empty draft too.
+            if self.drafter.is_some() && r.generated() > 0 {
+                r.spec_verify_ct += 1;
+            }
+            if !slice.draft.is_empty() {
+                r.spec_accepted += accepted;
+                self.metrics
+                    .spec_drafted_tokens
+                    .add(slice.draft.len() as u64);
+                self.metrics.spec_accepted_tokens.add(accepted as u64);
+                if let Some(d) = self.drafter.as_mut() {
+                    d.accepted(slice.id, slice.draft.len(), accepted);
+                }
+            }
+            let mut reason = None;
+            for token in emitted {
+                let stop = (!r.params.ignore_eos && self.cfg.eos_token_ids.contains(&token))
+                    || r.params.stop_token_ids.contains(&token);
+                if stop {
+                    reason = Some(FinishReason::Stop);
+                    break;
+                }
                 r.tokens.push(token);
                 self.metrics.generation_tokens.add(1);
                 r.send(Event::Token(token));
-                let full =
-                    r.generated() >= r.params.max_tokens || r.tokens.len() >= self.cfg.context_len;
-                full.then_some(FinishReason::Length)
-            };
+                if r.generated() >= r.params.max_tokens || r.tokens.len() >= self.cfg.context_len {
+                    reason = Some(FinishReason::Length);
+                    break;
+                }
+            }
+            // KV is in place for the request's own token and the accepted drafts; the
+            // rows of rejected ones are rewritten by the next step.
+            r.computed = (r.computed + accepted).min(r.tokens.len());
             match reason {
-                Some(reason) => finished.push((id, reason)),
+                Some(reason) => finished.push((slice.id, reason)),
                 None if prompt_done => {
                     // Share the prompt with requests that arrive while this one decodes.
                     let r = &mut self.running[idx.expect("found above")];
@@ -353,6 +454,9 @@ impl Scheduler {
                 .remove(idx.expect("finished requests are running"));
             let (usage, events) = (r.usage(), r.events.clone());
             tracing::debug!(id, reason = reason.as_str(), ?usage, "finished");
+            if let Some(d) = self.drafter.as_mut() {
+                d.finished(id);
+            }
             self.retire(r);
             done.push((events, Event::Finished { reason, usage }));
         }
@@ -366,7 +470,7 @@ impl Scheduler {
 
     /// Fails every request of `step` (the device step failed) and frees their pages.
     pub fn fail(&mut self, step: Step, why: &str) {
-        for (id, _) in step.slices {
+        for Slice { id, .. } in step.slices {
             if let Some(idx) = self.running.iter().position(|r| r.id == id) {
                 let r = self.running.remove(idx);
                 r.send(Event::Failed(why.to_string()));

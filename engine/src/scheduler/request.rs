@@ -63,6 +63,10 @@ pub struct Usage {
     /// Prompt tokens whose KV came from the prefix cache.
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// With speculation on: decode steps (each verifies a draft, maybe empty: SGLang's
+    /// `spec_verify_ct`), and the drafted tokens they accepted.
+    pub spec_verify_ct: usize,
+    pub spec_accepted_tokens: usize,
 }
 
 /// What the engine tells a request's client, in order: tokens, then one `Finished`.
@@ -121,6 +125,9 @@ pub(crate) struct Request {
     pub last_token_at: Option<Instant>,
     /// Since when the client has left no room for the next token (`None`: it reads).
     pub stalled_since: Option<Instant>,
+    /// Steps that verified a draft of this request, and the drafted tokens accepted.
+    pub spec_verify_ct: usize,
+    pub spec_accepted: usize,
 }
 
 impl Request {
@@ -140,6 +147,8 @@ impl Request {
             arrived: Instant::now(),
             last_token_at: None,
             stalled_since: None,
+            spec_verify_ct: 0,
+            spec_accepted: 0,
         }
     }
 
@@ -179,6 +188,8 @@ impl Request {
             prompt_tokens: self.prompt_len,
             cached_tokens: self.cached.unwrap_or(0),
             completion_tokens: self.generated(),
+            spec_verify_ct: self.spec_verify_ct,
+            spec_accepted_tokens: self.spec_accepted,
         }
     }
 }

@@ -13,9 +13,46 @@ use crate::cache::CacheKind;
 
 const VOCAB: usize = 50;
 
+/// A stand-in model: the logits of the next token after a context.
+type Model = fn(&[u32]) -> Vec<f32>;
+
 struct HostKv {
     page_size: usize,
     rows: Vec<Option<u32>>,
+    model: Model,
+}
+
+fn context_hash(ctx: &[u32]) -> u64 {
+    ctx.iter()
+        .fold(17u64, |h, &t| h.wrapping_mul(31).wrapping_add(t as u64 + 1))
+}
+
+/// One-hot on a hash of the whole context.
+fn hashed(ctx: &[u32]) -> Vec<f32> {
+    let mut logits = vec![0.0; VOCAB];
+    logits[(context_hash(ctx) % VOCAB as u64) as usize] = 1.0;
+    logits
+}
+
+/// The tokens of period [`PERIOD`], so n-gram drafts of a periodic prompt are accepted.
+const PERIOD: usize = 7;
+
+/// One-hot on the token [`PERIOD`] back (a model that repeats its context).
+fn periodic(ctx: &[u32]) -> Vec<f32> {
+    let mut logits = vec![0.0; VOCAB];
+    logits[ctx[ctx.len().saturating_sub(PERIOD)] as usize] = 30.0;
+    logits
+}
+
+/// Soft logits: the token [`PERIOD`] back is likely (about half the mass), the rest spread
+/// by a hash of the context, so sampled drafts are sometimes kept and sometimes not.
+fn soft(ctx: &[u32]) -> Vec<f32> {
+    let h = context_hash(ctx);
+    let mut logits: Vec<f32> = (0..VOCAB as u64)
+        .map(|t| ((h ^ t.wrapping_mul(0x9e37_79b9)) % 7) as f32 * 0.3)
+        .collect();
+    logits[ctx[ctx.len().saturating_sub(PERIOD)] as usize] += 4.5;
+    logits
 }
 
 impl HostKv {
@@ -23,12 +60,14 @@ impl HostKv {
         HostKv {
             page_size,
             rows: vec![None; page_size * pages],
+            model: hashed,
         }
     }
 
-    /// Runs a step: one-hot logits per slice.
+    /// Runs a step: the model's logits at each row the batch asks for, from the context
+    /// read back through the block table.
     fn step(&mut self, batch: &Batch) -> Vec<f32> {
-        let mut logits = vec![0.0; batch.requests.len() * VOCAB];
+        let mut logits = Vec::new();
         for (b, r) in batch.requests.iter().enumerate() {
             let slot = |pos: usize| {
                 r.block_table[pos / self.page_size] as usize * self.page_size + pos % self.page_size
@@ -37,11 +76,17 @@ impl HostKv {
             for (i, &t) in r.tokens.iter().enumerate() {
                 self.rows[slot(first + i)] = Some(t);
             }
-            let hash = (0..r.kv_len).fold(17u64, |h, pos| {
-                let t = self.rows[slot(pos)].expect("every position read was written");
-                h.wrapping_mul(31).wrapping_add(t as u64 + 1)
-            });
-            logits[b * VOCAB + (hash % VOCAB as u64) as usize] = 1.0;
+            let ctx: Vec<u32> = (0..r.kv_len)
+                .map(|pos| self.rows[slot(pos)].expect("every position read was written"))
+                .collect();
+            let rows = match &batch.logits {
+                LogitRows::All => r.tokens.len(),
+                LogitRows::Last => 1,
+                LogitRows::Tails(n) => n[b],
+            };
+            for end in r.kv_len + 1 - rows..=r.kv_len {
+                logits.extend((self.model)(&ctx[..end]));
+            }
         }
         logits
     }
@@ -55,6 +100,7 @@ fn config(page_size: usize, budget: usize, max_running: usize) -> SchedulerConfi
         context_len: 10_000,
         eos_token_ids: vec![0],
         stall_timeout: Duration::from_secs(3600),
+        speculative: None,
     }
 }
 
@@ -90,14 +136,25 @@ impl Run {
         max_tokens: usize,
         room: usize,
     ) -> Receiver<Event> {
+        let params = SamplingParams {
+            max_tokens,
+            ..SamplingParams::default()
+        };
+        self.submit_params(id, prompt, params, room)
+    }
+
+    fn submit_params(
+        &mut self,
+        id: u64,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        room: usize,
+    ) -> Receiver<Event> {
         let (tx, rx) = channel(room);
         self.sched.add(Submission {
             id,
             prompt,
-            params: SamplingParams {
-                max_tokens,
-                ..SamplingParams::default()
-            },
+            params,
             session: None,
             events: tx,
             ended_by_client: Default::default(),
@@ -343,4 +400,193 @@ fn a_paused_request_gives_its_batch_slot_to_a_waiting_one() {
     }
     assert!(outcome(&mut next).1.is_some(), "{}", run.sched.describe());
     run.sched.check_pages();
+}
+
+fn speculative(cfg: SchedulerConfig, max_draft: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        speculative: Some(SpecConfig {
+            drafter: crate::speculative::DrafterKind::Ngram,
+            max_draft,
+        }),
+        ..cfg
+    }
+}
+
+/// Tokens of each prompt run together on `cfg` over `pages` pages with `model`, and the
+/// usage of each.
+fn run_all(
+    cfg: SchedulerConfig,
+    pages: usize,
+    model: Model,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> (Vec<Vec<u32>>, Vec<Usage>, Arc<Metrics>) {
+    let mut run = Run::new(cfg, pages);
+    run.kv.model = model;
+    let mut rxs: Vec<_> = (0..prompts.len())
+        .map(|i| run.submit(i as u64, prompts[i].clone(), max_tokens))
+        .collect();
+    run.run_to_end();
+    let (tokens, usage) = rxs
+        .iter_mut()
+        .map(|rx| {
+            let (t, u) = outcome(rx);
+            (t, u.expect("finished"))
+        })
+        .unzip();
+    (tokens, usage, run.metrics)
+}
+
+fn periodic_prompt(offset: u32) -> Vec<u32> {
+    (0..3 * PERIOD as u32)
+        .map(|i| 1 + (i + offset) % PERIOD as u32)
+        .collect()
+}
+
+#[test]
+fn greedy_speculation_gives_the_same_tokens_in_fewer_steps() {
+    let mut cfg = config(4, 256, 8);
+    cfg.eos_token_ids.clear();
+    let prompts: Vec<Vec<u32>> = (0..5).map(periodic_prompt).collect();
+    for (model, predictable) in [(periodic as Model, true), (hashed, false)] {
+        let (plain, _, m0) = run_all(cfg.clone(), 512, model, &prompts, 40);
+        let (spec, usage, m1) = run_all(speculative(cfg.clone(), 4), 512, model, &prompts, 40);
+        assert_eq!(plain, spec, "speculation changed greedy tokens");
+        assert!(m1.spec_drafted_tokens.get() > 0);
+        if predictable {
+            // Every draft of a repeating model is right: about 5 tokens a step.
+            assert!(
+                m1.steps.get() * 3 < m0.steps.get(),
+                "{} vs {} steps",
+                m1.steps.get(),
+                m0.steps.get()
+            );
+            assert!(
+                usage.iter().all(|u| u.spec_accepted_tokens >= 30),
+                "{usage:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn speculation_through_preemption_and_chunked_prefill_keeps_the_tokens() {
+    let mut cfg = config(4, 24, 6);
+    cfg.eos_token_ids.clear();
+    let prompts: Vec<Vec<u32>> = (0..12)
+        .map(|i| {
+            let mut p = periodic_prompt(i);
+            p.extend((0..i * 5).map(|t| 1 + (t * 7 + i) % 40));
+            p
+        })
+        .collect();
+    let (plain, _, _) = run_all(cfg.clone(), 4096, periodic, &prompts, 30);
+    // A pool that holds about three requests: preemption with drafts in flight.
+    let (spec, _, m) = run_all(speculative(cfg, 3), 48, periodic, &prompts, 30);
+    assert_eq!(plain, spec);
+    assert!(m.preemptions.get() > 0, "the pool was meant to preempt");
+    assert!(m.spec_accepted_tokens.get() > 0);
+}
+
+#[test]
+fn stop_tokens_and_max_tokens_inside_an_accepted_draft_end_it_there() {
+    let mut cfg = config(4, 256, 8);
+    cfg.eos_token_ids = vec![5]; // the periodic prompt's fifth token
+    let prompts = vec![periodic_prompt(0)];
+    let (plain, pu, _) = run_all(cfg.clone(), 512, periodic, &prompts, 40);
+    let (spec, su, _) = run_all(speculative(cfg.clone(), 4), 512, periodic, &prompts, 40);
+    assert_eq!(plain, spec);
+    assert_eq!(pu[0].completion_tokens, su[0].completion_tokens);
+    assert!(!spec[0].contains(&5) && spec[0].len() < 40, "{spec:?}");
+    cfg.eos_token_ids.clear();
+    for max in [1, 2, 6, 9] {
+        let (spec, _, _) = run_all(speculative(cfg.clone(), 4), 512, periodic, &prompts, max);
+        assert_eq!(spec[0].len(), max);
+    }
+}
+
+/// `P(tokens[pos] = t)` over the model's own sampling, computed exactly from the model.
+fn exact_marginal(model: Model, prompt: &[u32], pos: usize) -> Vec<f64> {
+    fn probs(model: Model, ctx: &[u32]) -> Vec<f64> {
+        let l = model(ctx);
+        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let w: Vec<f64> = l.iter().map(|&x| (x as f64 - max).exp()).collect();
+        let total: f64 = w.iter().sum();
+        w.iter().map(|x| x / total).collect()
+    }
+    let mut paths = vec![(prompt.to_vec(), 1.0)];
+    for _ in 0..pos {
+        paths = paths
+            .into_iter()
+            .flat_map(|(ctx, p)| {
+                probs(model, &ctx)
+                    .into_iter()
+                    .enumerate()
+                    .map(move |(t, q)| {
+                        let mut c = ctx.clone();
+                        c.push(t as u32);
+                        (c, p * q)
+                    })
+            })
+            .filter(|(_, p)| *p > 1e-12)
+            .collect();
+    }
+    let mut out = vec![0.0; VOCAB];
+    for (ctx, p) in paths {
+        for (t, q) in probs(model, &ctx).into_iter().enumerate() {
+            out[t] += p * q;
+        }
+    }
+    out
+}
+
+/// Sampled speculation is lossless: the third generated token (after two verified steps)
+/// is distributed as the model's own sampling says, by a chi-square test at p = 0.001 over
+/// 20,000 requests (tokens binned by id mod 11).
+#[test]
+fn sampled_speculation_emits_the_distribution_of_plain_sampling() {
+    let mut cfg = speculative(config(4, 512, 16), 4);
+    cfg.eos_token_ids.clear();
+    let mut run = Run::new(cfg, 4096);
+    run.kv.model = soft;
+    let prompt = periodic_prompt(0);
+    let (trials, bins) = (20_000usize, 11usize);
+    let mut counts = vec![0usize; bins];
+    for round in 0..trials / 16 {
+        let mut rxs: Vec<_> = (0..16)
+            .map(|i| {
+                let id = (round * 16 + i) as u64;
+                let params = SamplingParams {
+                    max_tokens: 3,
+                    temperature: 1.0,
+                    seed: id * 7919 + 1,
+                    ..SamplingParams::default()
+                };
+                run.submit_params(id, prompt.clone(), params, ROOM)
+            })
+            .collect();
+        run.run_to_end();
+        for rx in &mut rxs {
+            let tokens = outcome(rx).0;
+            counts[tokens[2] as usize % bins] += 1;
+        }
+    }
+    assert!(
+        run.metrics.spec_accepted_tokens.get() > 1000,
+        "drafts were verified"
+    );
+    assert!(
+        run.metrics.spec_accepted_tokens.get() < run.metrics.spec_drafted_tokens.get(),
+        "and some rejected"
+    );
+    let exact = exact_marginal(soft, &prompt, 2);
+    let mut want = vec![0.0; bins];
+    for (t, p) in exact.iter().enumerate() {
+        want[t % bins] += p;
+    }
+    let fit = kiln_reference::stats::chi_square(&counts, &want);
+    assert!(
+        fit.statistic < kiln_reference::stats::critical_value_p001(fit.dof),
+        "{counts:?} vs {want:?}: {fit:?}"
+    );
 }

@@ -58,14 +58,14 @@ fn body(
     end: Option<&Outcome>,
 ) -> Value {
     let finish = end.map(|o| json!({"type": o.reason.as_str()}));
-    meta(
-        id,
-        text,
-        ids,
-        prompt,
-        end.map_or(cached, |o| o.usage.cached_tokens),
-        finish,
-    )
+    let cached = end.map_or(cached, |o| o.usage.cached_tokens);
+    let mut b = meta(id, text, ids, prompt, cached, finish);
+    // SGLang's name for the verification steps of speculative decoding.
+    if let Some(o) = end.filter(|o| o.usage.spec_verify_ct > 0) {
+        b["meta_info"]["spec_verify_ct"] = json!(o.usage.spec_verify_ct);
+        b["meta_info"]["spec_accepted_tokens"] = json!(o.usage.spec_accepted_tokens);
+    }
+    b
 }
 
 /// A `/generate` body with its `meta_info`.

@@ -290,6 +290,7 @@ impl Pieces {
                         prompt_tokens: self.prompt_tokens,
                         cached_tokens: self.cached_tokens,
                         completion_tokens: self.detok.ids().len(),
+                        ..Usage::default()
                     };
                     self.end(FinishReason::Stop, usage);
                 }

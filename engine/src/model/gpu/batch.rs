@@ -25,7 +25,7 @@ pub struct RequestSlice {
 }
 
 /// Which tokens of a step get logits.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum LogitRows {
     /// Every token (prefill checks, draft verification).
     #[default]
@@ -34,6 +34,9 @@ pub enum LogitRows {
     /// row per request instead of one per token (a 100k-token prefill chunk at Kimi's
     /// vocabulary would otherwise produce 65 GB of logits).
     Last,
+    /// Each request's last `n` tokens, `n` per request in order: a decode step's one row,
+    /// a drafted chain's `1 + draft` (each draft token is verified against its row).
+    Tails(Vec<usize>),
 }
 
 /// The requests of one forward step, in the order their tokens are laid out.
@@ -172,10 +175,28 @@ impl Batch {
             block_table: DeviceArray::upload(client, &table),
             max_blocks,
         };
-        let last_rows = (self.logits == LogitRows::Last).then(|| {
-            let rows: Vec<u32> = cu[1..].iter().map(|&end| end - 1).collect();
-            DeviceArray::upload(client, &rows)
-        });
+        let rows: Option<Vec<u32>> = match &self.logits {
+            LogitRows::All => None,
+            LogitRows::Last => Some(cu[1..].iter().map(|&end| end - 1).collect()),
+            LogitRows::Tails(tails) => {
+                if tails.len() != self.requests.len()
+                    || tails
+                        .iter()
+                        .zip(&self.requests)
+                        .any(|(&n, r)| n == 0 || n > r.tokens.len())
+                {
+                    return Err(ModelError::Batch(format!(
+                        "logit tails {tails:?} do not fit the requests' tokens"
+                    )));
+                }
+                Some(
+                    (cu[1..].iter().zip(tails))
+                        .flat_map(|(&end, &n)| end - n as u32..end)
+                        .collect(),
+                )
+            }
+        };
+        let last_rows = rows.map(|rows| DeviceArray::upload(client, &rows));
         Ok(Plan {
             last_rows,
             num_tokens: tokens.len(),

@@ -1,0 +1,114 @@
+//! Drafts for speculative decoding: a drafter proposes the tokens likely to follow a
+//! request's tokens; the scheduler runs them through the model in the request's next step
+//! (its last token plus the draft, causal, as one chain) and keeps the longest prefix that
+//! verification accepts plus one token of the model's own (`sampling::verify`), so the
+//! output is exactly what decoding one token a step would give, greedy or sampled.
+//!
+//! - [`NgramDrafter`] (prompt lookup): the most recent earlier occurrence of the longest
+//!   suffix of the request's tokens (up to [`NGRAM_MAX`] long) and what followed it. Naive,
+//!   linear in the request's length per proposal: the oracle of the suffix-tree drafter
+//!   to come (issue 27), and already right for agent traffic, whose outputs quote their
+//!   inputs.
+//! - [`draft_len`]: how many tokens a request may draft in a step (a pure policy).
+
+/// Longest suffix the n-gram drafter matches.
+pub const NGRAM_MAX: usize = 4;
+/// Shortest suffix it matches (a single token matches too often to be worth a draft).
+pub const NGRAM_MIN: usize = 2;
+/// Above this many requests decoding at once, a step is no longer bound by reading the
+/// weights, so verifying drafts costs about what it gains: speculation is off.
+pub const MAX_SPECULATIVE_BATCH: usize = 16;
+
+/// Proposes drafts from a request's tokens; learns from what was accepted.
+pub trait Drafter: Send {
+    /// Up to `max` tokens likely to follow `tokens` (request `id`'s prompt and output).
+    fn propose(&mut self, id: u64, tokens: &[u32], max: usize) -> Vec<u32>;
+    /// Verification kept `accepted` of the `drafted` tokens of request `id`'s last draft.
+    fn accepted(&mut self, _id: u64, _drafted: usize, _accepted: usize) {}
+    /// Request `id` ended: forget it.
+    fn finished(&mut self, _id: u64) {}
+}
+
+/// Prompt lookup: see the module docs.
+#[derive(Debug, Default)]
+pub struct NgramDrafter;
+
+impl Drafter for NgramDrafter {
+    fn propose(&mut self, _id: u64, tokens: &[u32], max: usize) -> Vec<u32> {
+        let len = tokens.len();
+        for n in (NGRAM_MIN..=NGRAM_MAX.min(len.saturating_sub(1))).rev() {
+            let suffix = &tokens[len - n..];
+            // The most recent earlier occurrence that has a continuation.
+            if let Some(start) = (0..len - n).rev().find(|&s| &tokens[s..s + n] == suffix) {
+                let from = start + n;
+                return tokens[from..(from + max).min(len)].to_vec();
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// Which drafter serves a request's drafts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrafterKind {
+    Ngram,
+}
+
+impl DrafterKind {
+    pub fn build(self) -> Box<dyn Drafter> {
+        match self {
+            DrafterKind::Ngram => Box::new(NgramDrafter),
+        }
+    }
+}
+
+/// Speculative decoding's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpecConfig {
+    pub drafter: DrafterKind,
+    /// Most tokens one request drafts per step.
+    pub max_draft: usize,
+}
+
+/// Tokens a decoding request may draft this step: none when `decoding` requests share the
+/// step past [`MAX_SPECULATIVE_BATCH`]; else up to `max_draft`, within the step's token
+/// `budget` left after this request's own token and within its event channel's `room`
+/// (a token per accepted draft, the bonus token and the end).
+pub fn draft_len(max_draft: usize, decoding: usize, budget: usize, room: usize) -> usize {
+    if decoding > MAX_SPECULATIVE_BATCH {
+        return 0;
+    }
+    max_draft
+        .min(budget.saturating_sub(1))
+        .min(room.saturating_sub(2))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ngram_drafts_continue_the_latest_longest_match() {
+        let mut d = NgramDrafter;
+        // "7 8 9" occurred twice; the latest is followed by 4 5.
+        let tokens = [7, 8, 9, 1, 2, 3, 7, 8, 9, 4, 5, 6, 0, 7, 8, 9];
+        assert_eq!(d.propose(0, &tokens, 2), vec![4, 5]);
+        assert_eq!(d.propose(0, &tokens, 10), vec![4, 5, 6, 0, 7, 8, 9]);
+        assert!(
+            d.propose(0, &[1, 2, 3, 4], 4).is_empty(),
+            "no repeat, no draft"
+        );
+        assert!(d.propose(0, &[5], 4).is_empty());
+        // A suffix of two matches when three do not.
+        assert_eq!(d.propose(0, &[1, 2, 9, 9, 3, 1, 2], 3), vec![9, 9, 3]);
+    }
+
+    #[test]
+    fn drafts_fit_the_batch_the_budget_and_the_channel() {
+        assert_eq!(draft_len(4, 1, 100, 64), 4);
+        assert_eq!(draft_len(4, MAX_SPECULATIVE_BATCH + 1, 100, 64), 0);
+        assert_eq!(draft_len(4, 1, 3, 64), 2);
+        assert_eq!(draft_len(4, 1, 100, 4), 2);
+        assert_eq!(draft_len(4, 1, 1, 64), 0);
+    }
+}
