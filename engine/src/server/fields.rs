@@ -32,48 +32,54 @@ fn empty(v: &Value) -> bool {
     v.as_object().is_some_and(Map::is_empty) || v.as_str() == Some("")
 }
 
-/// OpenAI's and vLLM's sampling extensions, off.
-pub const OPENAI: &[Neutral] = &[
+/// Sampling penalties and filters both APIs know, off.
+const PENALTIES: &[Neutral] = &[
     ("frequency_penalty", zero),
     ("presence_penalty", zero),
     ("repetition_penalty", one),
     ("top_k", |v| v.as_i64().is_some_and(|k| k == 0 || k == -1)),
     ("min_p", zero),
-    ("logit_bias", empty),
-    ("top_logprobs", zero),
-    ("echo", no),
-    ("best_of", one),
-    ("suffix", empty),
-    ("parallel_tool_calls", yes),
-    ("response_format", |v| {
-        v == &serde_json::json!({"type": "text"})
-    }),
 ];
 
-/// SGLang's `sampling_params` extensions, off.
-pub const SGLANG_SAMPLING: &[Neutral] = &[
-    ("frequency_penalty", zero),
-    ("presence_penalty", zero),
-    ("repetition_penalty", one),
-    ("top_k", |v| v.as_i64().is_some_and(|k| k == 0 || k == -1)),
-    ("min_p", zero),
-    ("min_new_tokens", zero),
-    ("skip_special_tokens", yes),
+/// OpenAI's and vLLM's request fields, off.
+pub const OPENAI: &[&[Neutral]] = &[
+    PENALTIES,
+    &[
+        ("logit_bias", empty),
+        ("top_logprobs", zero),
+        ("echo", no),
+        ("best_of", one),
+        ("suffix", empty),
+        ("parallel_tool_calls", yes),
+        ("response_format", |v| {
+            v == &serde_json::json!({"type": "text"})
+        }),
+    ],
+];
+
+/// SGLang's `sampling_params` fields, off.
+pub const SGLANG_SAMPLING: &[&[Neutral]] = &[
+    PENALTIES,
+    &[("min_new_tokens", zero), ("skip_special_tokens", yes)],
 ];
 
 /// Checks the fields a request's known ones left over (`rest`, a `serde(flatten)` map)
-/// against `neutral`; `prefix` names where they sit (`sampling_params.`).
+/// against the `neutral` lists; `prefix` names where they sit (`sampling_params.`).
 pub fn refuse_unsupported(
     rest: &Map<String, Value>,
     prefix: &str,
-    neutral: &[Neutral],
+    neutral: &[&[Neutral]],
 ) -> Result<(), ApiError> {
     for (name, value) in rest {
         let field = format!("{prefix}{name}");
         if value.is_null() || IGNORED.contains(&name.as_str()) {
             continue;
         }
-        match neutral.iter().find(|(n, _)| n == name) {
+        match neutral
+            .iter()
+            .flat_map(|l| l.iter())
+            .find(|(n, _)| n == name)
+        {
             Some((_, off)) if off(value) => {}
             Some(_) => {
                 return Err(ApiError::unsupported(
