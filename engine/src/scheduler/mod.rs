@@ -127,7 +127,14 @@ impl Scheduler {
     /// client ended them as complete (a stop string), which counts as finished.
     pub fn abort_cancelled(&mut self) {
         let before = self.waiting.len() + self.running.len();
-        self.waiting.retain(|r| !r.cancelled());
+        let drafter = &mut self.drafter;
+        self.waiting.retain(|r| {
+            let gone = r.cancelled();
+            if let (true, Some(d)) = (gone, drafter.as_mut()) {
+                d.finished(r.id); // a preempted request may have drafted
+            }
+            !gone
+        });
         let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
             .into_iter()
             .partition(|r| r.cancelled());
@@ -454,9 +461,6 @@ impl Scheduler {
                 .remove(idx.expect("finished requests are running"));
             let (usage, events) = (r.usage(), r.events.clone());
             tracing::debug!(id, reason = reason.as_str(), ?usage, "finished");
-            if let Some(d) = self.drafter.as_mut() {
-                d.finished(id);
-            }
             self.retire(r);
             done.push((events, Event::Finished { reason, usage }));
         }
@@ -474,14 +478,21 @@ impl Scheduler {
             if let Some(idx) = self.running.iter().position(|r| r.id == id) {
                 let r = self.running.remove(idx);
                 r.send(Event::Failed(why.to_string()));
+                if let Some(d) = self.drafter.as_mut() {
+                    d.finished(r.id);
+                }
                 self.pool.release(&r.pages);
             }
         }
         self.publish();
     }
 
-    /// A request leaves: its computed pages go to the cache, its references are dropped.
+    /// A request leaves: its computed pages go to the cache, its references are dropped,
+    /// the drafter forgets it.
     fn retire(&mut self, mut r: Request) {
+        if let Some(d) = self.drafter.as_mut() {
+            d.finished(r.id);
+        }
         cache_computed(&mut *self.cache, &mut self.pool, self.cfg.page_size, &mut r);
         self.pool.release(&r.pages);
     }
