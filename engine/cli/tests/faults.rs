@@ -13,6 +13,14 @@ use common::server::Server;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
+/// The latency test runs alone (write), the others beside each other (read): on a 2-core
+/// machine their servers' decoding would otherwise be what `/health` waits for.
+static CPU: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    CPU.read().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The `data:` payloads of a streamed response, read to its end; each first byte is
 /// reported on `started`.
 async fn read_stream(
@@ -57,6 +65,7 @@ async fn get(url: &str) -> (u16, Value) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_lets_streams_finish_and_ends_the_rest_with_an_error_event() {
+    let _cpu = shared();
     let mut server = Server::start(&["--shutdown-timeout", "4"]);
     let url = format!("{}/v1/completions", server.url);
     let http = reqwest::Client::new();
@@ -123,6 +132,7 @@ async fn sigterm_lets_streams_finish_and_ends_the_rest_with_an_error_event() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn large_prompts_tokenize_off_the_runtime_while_health_answers_at_once() {
+    let _cpu = CPU.write().unwrap_or_else(|e| e.into_inner());
     let server = Server::start(&[]);
     let url = format!("{}/v1/completions", server.url);
     let code = "fn main() { let x = vec![1, 2, 3]; println!(\"{x:?}\"); }\n";
@@ -173,6 +183,7 @@ async fn large_prompts_tokenize_off_the_runtime_while_health_answers_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_reads_nothing_pauses_its_request_then_is_aborted() {
+    let _cpu = shared();
     let server = Server::start(&["--client-stall-timeout", "4"]);
     let host = server.url.strip_prefix("http://").unwrap().to_string();
     // SGLang-style events repeat the whole output, so unread bytes pile up fast.
@@ -271,6 +282,7 @@ fn marker_model(dir: &Path) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_tools_on_offer_the_tool_call_marker_ends_the_turn() {
+    let _cpu = shared();
     let dir = tempfile::tempdir().unwrap();
     marker_model(dir.path());
     let server = Server::start(&["--model", dir.path().to_str().unwrap()]);
@@ -320,6 +332,7 @@ async fn without_tools_on_offer_the_tool_call_marker_ends_the_turn() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_refusal_is_an_openai_error_naming_its_field() {
+    let _cpu = shared();
     let server = Server::start(&["--api-key", "k1"]);
     let http = reqwest::Client::new();
     let at = |path: &str| format!("{}{path}", server.url);
@@ -461,6 +474,7 @@ async fn every_refusal_is_an_openai_error_naming_its_field() {
 
 #[test]
 fn an_empty_api_key_is_refused_at_start_up() {
+    let _cpu = shared();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(["serve", "--port", "0"])
         .env("KILN_API_KEY", "")
@@ -476,6 +490,7 @@ fn an_empty_api_key_is_refused_at_start_up() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_hundred_streams_half_of_them_abandoned_leave_nothing_behind() {
+    let _cpu = shared();
     let server = Server::start(&["--max-running-requests", "64"]);
     let url = format!("{}/v1/completions", server.url);
     let http = reqwest::Client::builder()
