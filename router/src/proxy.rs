@@ -239,32 +239,32 @@ fn stream_back(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     // Chunks as they come; a failed read ends the body with an error the client can see.
-    let stream =
-        futures_util::stream::unfold(Some((response.bytes_stream(), guard)), move |alive| {
-            let (state, base) = (state.clone(), base.clone());
-            async move {
-                let (mut bytes, guard) = alive?;
-                match bytes.next().await {
-                    Some(Ok(chunk)) => Some((Ok::<_, std::io::Error>(chunk), Some((bytes, guard)))),
-                    None => None,
-                    Some(Err(err)) => {
-                        tracing::warn!(replica = %base, "response broke off mid-body: {err}");
-                        state.placer().record_broken_stream();
-                        let body = error_body(
-                            StatusCode::BAD_GATEWAY,
-                            "replica_stream_broken",
-                            &format!("replica {base} broke off the response: {err}"),
-                        );
-                        let tail = if sse {
-                            format!("data: {body}\n\ndata: [DONE]\n\n")
-                        } else {
-                            body.to_string()
-                        };
-                        Some((Ok(Bytes::from(tail)), None))
-                    }
-                }
+    let start = Some((response.bytes_stream(), guard, state, base));
+    let stream = futures_util::stream::unfold(start, move |alive| async move {
+        let (mut bytes, guard, state, base) = alive?;
+        match bytes.next().await {
+            Some(Ok(chunk)) => Some((
+                Ok::<_, std::io::Error>(chunk),
+                Some((bytes, guard, state, base)),
+            )),
+            None => None,
+            Some(Err(err)) => {
+                tracing::warn!(replica = %base, "response broke off mid-body: {err}");
+                state.placer().record_broken_stream();
+                let body = error_body(
+                    StatusCode::BAD_GATEWAY,
+                    "replica_stream_broken",
+                    &format!("replica {base} broke off the response: {err}"),
+                );
+                let tail = if sse {
+                    format!("data: {body}\n\ndata: [DONE]\n\n")
+                } else {
+                    body.to_string()
+                };
+                Some((Ok(Bytes::from(tail)), None))
             }
-        });
+        }
+    });
     builder
         .body(Body::from_stream(stream))
         .unwrap_or_else(|err| error(StatusCode::BAD_GATEWAY, &err.to_string()))

@@ -9,6 +9,7 @@ use std::io::{Read, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::post;
 use common::server::Server;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
@@ -44,17 +45,6 @@ async fn read_stream(
         .filter_map(|event| event.trim().strip_prefix("data:"))
         .map(|d| d.trim().to_string())
         .collect()
-}
-
-async fn post(url: &str, body: Value) -> (u16, Value) {
-    let resp = reqwest::Client::new()
-        .post(url)
-        .json(&body)
-        .send()
-        .await
-        .expect("sent");
-    let status = resp.status().as_u16();
-    (status, resp.json().await.unwrap_or(Value::Null))
 }
 
 async fn get(url: &str) -> (u16, Value) {
@@ -97,7 +87,12 @@ async fn sigterm_lets_streams_finish_and_ends_the_rest_with_an_error_event() {
     };
     assert_eq!(health.0, 503, "{}", health.1);
     assert_eq!(health.1["error"]["code"], "draining", "{}", health.1);
-    let (status, refused) = post(&url, json!({"prompt": "late", "max_tokens": 2})).await;
+    let (status, refused) = post(
+        &url,
+        json!({"prompt": "late", "max_tokens": 2}).to_string(),
+        None,
+    )
+    .await;
     assert_eq!(
         (status, &refused["error"]["code"]),
         (503, &json!("draining"))
@@ -146,7 +141,14 @@ async fn large_prompts_tokenize_off_the_runtime_while_health_answers_at_once() {
     let requests: Vec<_> = prompts
         .map(|p| {
             let url = url.clone();
-            tokio::spawn(async move { post(&url, json!({"prompt": p, "max_tokens": 4})).await })
+            tokio::spawn(async move {
+                post(
+                    &url,
+                    json!({"prompt": p, "max_tokens": 4}).to_string(),
+                    None,
+                )
+                .await
+            })
         })
         .collect();
     let http = reqwest::Client::new();
@@ -177,7 +179,12 @@ async fn large_prompts_tokenize_off_the_runtime_while_health_answers_at_once() {
         "health p99 {p99:?} over {latencies:?}"
     );
     // A small request is not held up either.
-    let (status, body) = post(&url, json!({"prompt": "hi", "max_tokens": 2})).await;
+    let (status, body) = post(
+        &url,
+        json!({"prompt": "hi", "max_tokens": 2}).to_string(),
+        None,
+    )
+    .await;
     assert_eq!(status, 200, "{body}");
 }
 
@@ -231,7 +238,8 @@ async fn a_client_that_reads_nothing_pauses_its_request_then_is_aborted() {
     drop(socket);
     let (status, _) = post(
         &format!("{}/v1/completions", server.url),
-        json!({"prompt": "next", "max_tokens": 2}),
+        json!({"prompt": "next", "max_tokens": 2}).to_string(),
+        None,
     )
     .await;
     assert_eq!(status, 200);
@@ -297,7 +305,7 @@ async fn without_tools_on_offer_the_tool_call_marker_ends_the_turn() {
         body.as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
-        let (status, reply) = post(&url, body.clone()).await;
+        let (status, reply) = post(&url, body.to_string(), None).await;
         assert_eq!(status, 200, "{reply}");
         let choice = &reply["choices"][0];
         assert_eq!(choice["finish_reason"], "stop", "{reply}");
@@ -320,7 +328,9 @@ async fn without_tools_on_offer_the_tool_call_marker_ends_the_turn() {
     let (status, reply) = post(
         &url,
         json!({"messages": ask, "max_tokens": 8,
-               "tools": [{"type": "function", "function": {"name": "ls"}}]}),
+               "tools": [{"type": "function", "function": {"name": "ls"}}]})
+        .to_string(),
+        None,
     )
     .await;
     assert_eq!(status, 200, "{reply}");

@@ -5,6 +5,7 @@
 mod common;
 
 use common::server::Server;
+use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -333,7 +334,6 @@ async fn a_stream_cut_by_its_replica_ends_with_an_error_event_and_draining_repli
                           "ignore_eos": true}),
             );
         async move {
-            use futures_util::StreamExt;
             let mut bytes = req.send().await.expect("sent").bytes_stream();
             let first = bytes.next().await.expect("a first chunk").expect("read");
             (String::from_utf8_lossy(&first).into_owned(), bytes)
@@ -347,7 +347,6 @@ async fn a_stream_cut_by_its_replica_ends_with_an_error_event_and_draining_repli
     drop(replicas.remove(serving));
     let mut rest = String::new();
     {
-        use futures_util::StreamExt;
         while let Some(chunk) = stream.next().await {
             rest.push_str(&String::from_utf8_lossy(
                 &chunk.expect("the router ends it cleanly"),

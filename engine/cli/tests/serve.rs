@@ -11,6 +11,7 @@ use async_openai::types::chat::{
     CreateChatCompletionRequest, CreateChatCompletionRequestArgs,
 };
 use async_openai::Client;
+use common::post;
 use common::server::Server;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
@@ -145,22 +146,6 @@ async fn streamed_deltas_add_up_to_the_non_streamed_reply() {
 }
 
 /// Posts JSON (or raw bytes) and returns (status, body).
-async fn post(url: &str, body: impl Into<reqwest::Body>, key: Option<&str>) -> (u16, Value) {
-    let mut req = reqwest::Client::new()
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body);
-    if let Some(k) = key {
-        req = req.bearer_auth(k);
-    }
-    let resp = req.send().await.expect("an answer");
-    let status = resp.status().as_u16();
-    let text = resp.text().await.unwrap_or_default();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_the_right_4xx_and_the_server_keeps_serving() {
