@@ -4,64 +4,80 @@
     benches/gpu/serve_report.py DIR [DIR...]
 
 Per point: the client's view (kiln bench: TTFT p50/p99, output tok/s per user p50, tok/min
-per GPU, cache hit rate, errors), the server's (steps, preemptions, and where the engine
-thread spent each step from its step-time counters: schedule, issue, device wait + logits
-read-back, sampling + token hand-out), the serving step over its forward (issue + device),
-and layer_decode's forward alone and bandwidth floor at the same batch, per layer, times
-the served layers (embedding and lm_head excluded there).
+per GPU, cache hit rate, errors); the server's decode steps (steps where every request ran
+one generated token; prefill and extend steps are left out), their mean batch (decode
+tokens over decode steps), and where the engine thread spent such a step from its
+step-time counters (schedule, issue, device wait + logits read-back, sampling + token
+hand-out); layer_decode's whole step of the same model at batch c (the forward alone,
+logits read back) and its bandwidth floor; and the engine's overhead, the serving decode
+step over that forward. Last, the `kiln bench --replot` arguments that draw every
+directory's sweep on one chart.
 """
 import json
+import re
 import sys
 from pathlib import Path
 
+LINE = re.compile(r'^(kiln_[a-z_]+)(?:\{kind="([a-z]+)"\})? ([0-9.e+-]+)$')
+
 
 def counters(path):
+    """Counter values by (name, kind label or None)."""
     out = {}
     for line in Path(path).read_text().splitlines():
-        if line.startswith("kiln_") and " " in line and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            try:
-                out[name] = float(value)
-            except ValueError:
-                pass
+        m = LINE.match(line)
+        if m:
+            out[(m.group(1), m.group(2))] = float(m.group(3))
     return out
+
+
+def label(d):
+    _, layers, tp, kv = d.name.split("-")
+    rank = "TP1" if tp == "tp1" else f"TP{tp[2:]} rank"
+    return f"{rank}, {layers[1:]} layers, {kv} KV"
 
 
 def main(dirs):
     print("| config | c | requests | TTFT p50 s | TTFT p99 s | tok/s/user | tok/min/GPU | CHR "
-          "| steps | preempt | sched ms | issue ms | device ms | sample ms | step/forward "
-          "| forward-only ms | floor ms |")
-    print("|" + "---|" * 17)
+          "| preempt | decode steps | mean batch | decode step ms | sched | issue | device "
+          "| sample | forward-only ms | floor ms | step/forward |")
+    print("|" + "---|" * 19)
+    replot = []
     for d in map(Path, dirs):
-        layers = int(d.name.split("-")[1][1:])
-        layer = {}
+        forward = {}
         if (d / "layer_decode.json").exists():
             for p in json.loads((d / "layer_decode.json").read_text()):
-                if p["kind"] == "decode":
-                    layer[p["batch"]] = p
-        for bench in sorted(d.glob("bench-c*.json"), key=lambda p: int(p.stem[7:])):
+                if p["kind"] == "step":
+                    forward[p["batch"]] = p
+        benches = sorted(d.glob("bench-c*.json"), key=lambda p: int(p.stem[7:]))
+        replot.append(f"--replot '{label(d)}=" + ",".join(map(str, benches)) + "'")
+        for bench in benches:
             c = int(bench.stem[7:])
             point = json.loads(bench.read_text())["points"][0]
             before = counters(d / f"metrics-before-c{c}.txt")
             after = counters(d / f"metrics-after-c{c}.txt")
-            delta = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
-            steps = max(delta("kiln_steps_total"), 1.0)
-            phase = {k: delta(f"kiln_step_{k}_microseconds_total") / steps / 1e3
+            delta = lambda k, kind=None: after.get((k, kind), 0.0) - before.get((k, kind), 0.0)
+            steps = max(delta("kiln_steps_by_kind_total", "decode"), 1.0)
+            phase = {k: delta(f"kiln_step_{k}_microseconds_total", "decode") / steps / 1e3
                      for k in ("schedule", "issue", "device", "complete")}
-            forward = phase["issue"] + phase["device"]
             serving = sum(phase.values())
+            batch = (delta("kiln_generation_tokens_total") - point["requests"]) / steps
             ttft, tps = point.get("ttft_s") or {}, point.get("output_tps_per_user") or {}
-            lp = layer.get(c)
-            fwd = f"{lp['layer_ms'] * layers:.2f}" if lp else "-"
-            floor = f"{lp['floor_ms'] * layers:.2f}" if lp else "-"
+            fp = forward.get(c)
+            fwd = f"{fp['layer_ms']:.2f}" if fp else "-"
+            floor = f"{fp['floor_ms']:.2f}" if fp else "-"
+            ratio = f"{serving / fp['layer_ms']:.2f}" if fp else "-"
             chr_ = point.get("cache_hit_rate")
-            print(f"| {d.name} | {c} | {point['requests']} ({point['errors']} err) "
+            print(f"| {label(d)} | {c} | {point['requests']} ({point['errors']} err) "
                   f"| {ttft.get('p50', float('nan')):.3f} | {ttft.get('p99', float('nan')):.3f} "
                   f"| {tps.get('p50', float('nan')):.1f} | {point['tokens_per_min_per_gpu']:.0f} "
-                  f"| {'-' if chr_ is None else f'{chr_:.3f}'} | {steps:.0f} "
-                  f"| {delta('kiln_preemptions_total'):.0f} | {phase['schedule']:.3f} "
-                  f"| {phase['issue']:.3f} | {phase['device']:.3f} | {phase['complete']:.3f} "
-                  f"| {serving / forward if forward else float('nan'):.2f} | {fwd} | {floor} |")
+                  f"| {'-' if chr_ is None else f'{chr_:.3f}'} "
+                  f"| {delta('kiln_preemptions_total'):.0f} | {steps:.0f} | {batch:.1f} "
+                  f"| {serving:.2f} | {phase['schedule']:.3f} | {phase['issue']:.3f} "
+                  f"| {phase['device']:.3f} | {phase['complete']:.3f} | {fwd} | {floor} "
+                  f"| {ratio} |")
+    print()
+    print("chart: kiln bench " + " ".join(replot) + " --plot serve.svg")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 # kiln serve at Kimi's width on one GPU, measured through its HTTP API: a synthetic model
 # (weights generated on the device) cut to LAYERS layers, optionally one rank of TP, driven
 # by kiln bench's coding-agent sessions one concurrency at a time; each point's /metrics
-# before and after (step-time counters), and the forward alone at the same batches from
-# layer_decode (one full-width MoE layer, and its bandwidth floor). Run from the repo root
-# on the GPU machine after `benches/gpu/run.sh build`, inside one device call:
+# before and after (step-time counters by step kind), then, with the server gone, the
+# forward alone of the same model at the same batches from layer_decode --served-layers
+# (whole steps, logits read back, and their bandwidth floor). Run from the repo root on
+# the GPU machine after `benches/gpu/run.sh build`, inside one device call:
 #
 #   benches/gpu/serve_sweep.sh LAYERS TP KV "CONCURRENCIES" SECONDS SCALE
 #   e.g. benches/gpu/serve_sweep.sh 4 1 bf16 "1 4 16" 40 0.1
@@ -32,7 +33,9 @@ for c in $sweep; do
   curl -s localhost:8765/metrics > "$out/metrics-after-c$c.txt"
 done
 kill $pid; wait $pid 2>/dev/null || true
+trap - EXIT
 batches=$(echo $sweep | tr ' ' ',')
-.gpu/layer_decode --backend cuda --kv "$kv" --batches "$batches" \
-  --contexts "$(python3 -c "print(int(100000*$scale))")" --prefill 0 --reps 3 \
-  --json "$out/layer_decode.json" 2>&1 | tee "$out/layer_decode.log" || true
+ld=(--backend cuda --kv "$kv" --served-layers "$layers" --batches "$batches" --prefill 0 --reps 5
+  --contexts "$(python3 -c "print(int(100000*$scale))")" --json "$out/layer_decode.json")
+if [ "$tp" != 1 ]; then ld+=(--tp-rank-of "$tp"); fi
+.gpu/layer_decode "${ld[@]}" 2>&1 | tee "$out/layer_decode.log" || true

@@ -45,20 +45,25 @@ pub fn kimi_k2_layers(layers: usize, vocab: usize) -> ModelConfig {
     }
 }
 
-/// Bytes of one MoE layer's bf16 weights outside the routed experts (attention, router,
-/// shared expert).
-pub fn dense_weight_bytes(c: &ModelConfig) -> f64 {
+/// Bytes of one layer's bf16 attention weights (q_a, q_b, kv_a, kv_b, o).
+fn attention_weight_bytes(c: &ModelConfig) -> f64 {
     let (h, heads) = (c.hidden_size as f64, c.num_attention_heads as f64);
     let r = c.q_lora_rank.unwrap_or(0) as f64;
     let qk = (c.qk_nope_head_dim + c.qk_rope_head_dim) as f64;
-    let attn = r * h
+    2.0 * (r * h
         + heads * qk * r
         + 576.0 * h
         + heads * (c.qk_nope_head_dim + c.v_head_dim) as f64 * 512.0
-        + h * heads * c.v_head_dim as f64;
+        + h * heads * c.v_head_dim as f64)
+}
+
+/// Bytes of one MoE layer's bf16 weights outside the routed experts (attention, router,
+/// shared expert).
+pub fn dense_weight_bytes(c: &ModelConfig) -> f64 {
+    let h = c.hidden_size as f64;
     let router = c.n_routed_experts as f64 * h;
     let shared = 3.0 * h * (c.moe_intermediate_size * c.n_shared_experts) as f64;
-    2.0 * (attn + router + shared)
+    attention_weight_bytes(c) + 2.0 * (router + shared)
 }
 
 /// Bytes of one routed expert in NVFP4 (half a byte per weight, one E4M3 scale per 16).
@@ -72,8 +77,13 @@ pub fn experts_touched(c: &ModelConfig, tokens: usize) -> f64 {
     e * (1.0 - (1.0 - 1.0 / e).powf((tokens * c.num_experts_per_tok) as f64))
 }
 
-/// The bandwidth floor of one layer's step: weights touched plus the KV rows read (in
-/// `kv`: 1152 bytes a row in bf16, 656 in fp8), over [`HBM_BYTES_PER_S`].
+/// Bytes one KV row takes in `kv` (1152 in bf16, 656 in fp8).
+fn kv_row_bytes(kv: KvFormat) -> f64 {
+    (4 * kv.words_per_row()) as f64
+}
+
+/// The bandwidth floor of one MoE layer's step: weights touched plus the KV rows read (in
+/// `kv`), over [`HBM_BYTES_PER_S`].
 pub fn floor_seconds(
     c: &ModelConfig,
     tokens: usize,
@@ -82,7 +92,26 @@ pub fn floor_seconds(
 ) -> (f64, f64) {
     let bytes = dense_weight_bytes(c)
         + experts_touched(c, tokens) * expert_bytes(c)
-        + kv_tokens_read as f64 * (4 * kv.words_per_row()) as f64;
+        + kv_tokens_read as f64 * kv_row_bytes(kv);
+    (bytes, bytes / HBM_BYTES_PER_S)
+}
+
+/// The bandwidth floor of a whole model's step, as [`floor_seconds`] for every layer (a
+/// dense layer reads its bf16 MLP instead of the experts), plus the embedding rows and the
+/// bf16 lm_head; routed experts and projections as `GpuModel::synthetic` stores them.
+pub fn step_floor_seconds(
+    c: &ModelConfig,
+    tokens: usize,
+    kv_tokens_read: usize,
+    kv: KvFormat,
+) -> (f64, f64) {
+    let dense = c.first_k_dense_replace.min(c.num_hidden_layers);
+    let moe = c.num_hidden_layers - dense;
+    let (h, vocab) = (c.hidden_size as f64, c.vocab_size as f64);
+    let dense_layer = attention_weight_bytes(c) + 2.0 * 3.0 * h * c.intermediate_size as f64;
+    let bytes = moe as f64 * floor_seconds(c, tokens, kv_tokens_read, kv).0
+        + dense as f64 * (dense_layer + kv_tokens_read as f64 * kv_row_bytes(kv))
+        + 2.0 * h * (vocab + tokens as f64);
     (bytes, bytes / HBM_BYTES_PER_S)
 }
 

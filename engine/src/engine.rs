@@ -18,7 +18,7 @@ use kiln_kernels::mla::{KvFormat, MAX_DECODE_Q_LEN};
 use kiln_kernels::Precision;
 
 use crate::cache::CacheKind;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, StepKind};
 use crate::model::gpu::{Batch, GpuModel, KvPool, ModelError, RequestSlice, SyntheticQuant};
 use crate::model::Checkpoint;
 use crate::scheduler::{policy, Scheduler, SchedulerConfig, Submission};
@@ -357,9 +357,15 @@ fn run<R: Runtime>(
         match model.step(&step.batch, pool) {
             Ok(out) => {
                 let ran = Instant::now();
+                let kind = if step.is_decode() {
+                    StepKind::Decode
+                } else {
+                    StepKind::Prefill
+                };
                 sched.complete(step, &out.logits, vocab);
                 let issue = Duration::from_secs_f64(out.issue_seconds);
                 metrics.record_step(
+                    kind,
                     planned - start,
                     issue,
                     (ran - planned).saturating_sub(issue),

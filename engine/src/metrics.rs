@@ -103,13 +103,9 @@ pub struct Metrics {
     pub requests_rejected: Counter,
     pub preemptions: Counter,
     pub steps: Counter,
-    /// Where the engine thread's time goes, step by step (microseconds): planning the
-    /// step, issuing its kernels, waiting for the device and reading the logits back,
-    /// then sampling and handing out tokens.
-    pub step_schedule_us: Counter,
-    pub step_issue_us: Counter,
-    pub step_device_us: Counter,
-    pub step_complete_us: Counter,
+    /// Where the engine thread's time goes, step by step, for decode steps and for steps
+    /// that prefill ([`StepKind`]).
+    pub step_times: [StepTimes; 2],
     /// Speculative decoding: tokens drafted, and those verification accepted.
     pub spec_drafted_tokens: Counter,
     pub spec_accepted_tokens: Counter,
@@ -133,10 +129,7 @@ impl Default for Metrics {
             requests_rejected: Counter::default(),
             preemptions: Counter::default(),
             steps: Counter::default(),
-            step_schedule_us: Counter::default(),
-            step_issue_us: Counter::default(),
-            step_device_us: Counter::default(),
-            step_complete_us: Counter::default(),
+            step_times: Default::default(),
             spec_drafted_tokens: Counter::default(),
             spec_accepted_tokens: Counter::default(),
             ttft: Histogram::new(TTFT_BOUNDS),
@@ -145,20 +138,44 @@ impl Default for Metrics {
     }
 }
 
+/// What a step ran, for the step-time counters' `kind` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepKind {
+    /// Every request ran its one last token (and any draft to verify).
+    Decode = 0,
+    /// Some request ran prompt tokens (a prefill or extend chunk).
+    Prefill = 1,
+}
+
+/// Steps of one [`StepKind`] and the engine thread's time in their phases (microseconds):
+/// planning the step, issuing its kernels, waiting for the device and reading the logits
+/// back, then sampling and handing out tokens.
+#[derive(Debug, Default)]
+pub struct StepTimes {
+    pub steps: Counter,
+    pub schedule_us: Counter,
+    pub issue_us: Counter,
+    pub device_us: Counter,
+    pub complete_us: Counter,
+}
+
 impl Metrics {
-    /// Adds one step's phases to the step-time counters.
+    /// Adds one step's phases to the step-time counters of its kind.
     pub fn record_step(
         &self,
+        kind: StepKind,
         schedule: Duration,
         issue: Duration,
         device: Duration,
         complete: Duration,
     ) {
         let us = |d: Duration| d.as_micros() as u64;
-        self.step_schedule_us.add(us(schedule));
-        self.step_issue_us.add(us(issue));
-        self.step_device_us.add(us(device));
-        self.step_complete_us.add(us(complete));
+        let t = &self.step_times[kind as usize];
+        t.steps.add(1);
+        t.schedule_us.add(us(schedule));
+        t.issue_us.add(us(issue));
+        t.device_us.add(us(device));
+        t.complete_us.add(us(complete));
     }
 
     /// Cached prompt tokens over all prompt tokens admitted so far (0 before any).
@@ -262,24 +279,40 @@ impl Metrics {
             "Drafted tokens verification accepted.",
             self.spec_accepted_tokens.get(),
         );
-        for (name, help, c) in [
-            ("schedule", "planning steps", &self.step_schedule_us),
-            ("issue", "issuing steps' kernels", &self.step_issue_us),
+        let kinds = [("decode", StepKind::Decode), ("prefill", StepKind::Prefill)];
+        let mut labelled = |name: &str, help: &str, value: &dyn Fn(&StepTimes) -> u64| {
+            let _ = writeln!(out, "# HELP kiln_{name} {help}\n# TYPE kiln_{name} counter");
+            for (label, kind) in kinds {
+                let v = value(&self.step_times[kind as usize]);
+                let _ = writeln!(out, "kiln_{name}{{kind=\"{label}\"}} {v}");
+            }
+        };
+        labelled(
+            "steps_by_kind_total",
+            "Forward steps run, by kind: decode (every request ran one token, drafts \
+             aside) or prefill (some request ran prompt tokens).",
+            &|t| t.steps.get(),
+        );
+        for (name, help, value) in [
+            (
+                "schedule",
+                "planning steps",
+                (&|t: &StepTimes| t.schedule_us.get()) as &dyn Fn(&StepTimes) -> u64,
+            ),
+            ("issue", "issuing steps' kernels", &|t| t.issue_us.get()),
             (
                 "device",
                 "waiting for the device and reading logits back",
-                &self.step_device_us,
+                &|t| t.device_us.get(),
             ),
-            (
-                "complete",
-                "sampling and handing out tokens",
-                &self.step_complete_us,
-            ),
+            ("complete", "sampling and handing out tokens", &|t| {
+                t.complete_us.get()
+            }),
         ] {
-            counter(
+            labelled(
                 &format!("step_{name}_microseconds_total"),
-                &format!("Engine-thread time spent {help}."),
-                c.get(),
+                &format!("Engine-thread time spent {help}, by step kind."),
+                value,
             );
         }
         self.ttft.render(
@@ -311,6 +344,25 @@ mod tests {
         assert!(text.contains("kiln_time_to_first_token_seconds_bucket{le=\"0.1\"} 2"));
         assert!(text.contains("kiln_time_to_first_token_seconds_bucket{le=\"+Inf\"} 3"));
         assert!(text.contains("kiln_time_to_first_token_seconds_count 3"));
+    }
+
+    #[test]
+    fn step_times_are_counted_under_their_kind() {
+        let m = Metrics::default();
+        let ms = Duration::from_millis;
+        m.record_step(StepKind::Decode, ms(1), ms(2), ms(3), ms(4));
+        m.record_step(StepKind::Decode, ms(1), ms(2), ms(3), ms(4));
+        m.record_step(StepKind::Prefill, ms(5), ms(6), ms(70), ms(8));
+        let text = m.render();
+        for line in [
+            "kiln_steps_by_kind_total{kind=\"decode\"} 2",
+            "kiln_steps_by_kind_total{kind=\"prefill\"} 1",
+            "kiln_step_issue_microseconds_total{kind=\"decode\"} 4000",
+            "kiln_step_device_microseconds_total{kind=\"prefill\"} 70000",
+            "kiln_step_complete_microseconds_total{kind=\"decode\"} 8000",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing");
+        }
     }
 
     #[test]

@@ -2,6 +2,10 @@
 //! device), for decode at several batch sizes and contexts and for an 8k prefill, against
 //! the bandwidth floor. A layer's time is the difference between a 3-layer and a 1-layer
 //! model's forward, halved, so the embedding, lm_head and host work of a step cancel out.
+//! `--tp-rank-of T` times the shapes one rank of TP-T holds, with the modelled all-reduce
+//! stand-in `kiln serve --tp-rank-of` uses; `--served-layers N` times instead the whole
+//! step of the model `kiln serve --synthetic kimi-k2.6 --layers N` serves (first layer
+//! dense, full vocabulary, logits read back): the forward alone beside a serving sweep.
 //!
 //! The forward is run and its logits read back once before timing (kernel compilation);
 //! the KV cache (bf16, or fp8 with `--kv fp8`) is filled with random finite values (never
@@ -14,7 +18,9 @@ use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, KvPool, RequestSlice};
 use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
 use kiln_benches::report::{fixed, report};
-use kiln_benches::{floor_seconds, fp8_kv_scales, kimi_k2_layers};
+use kiln::model::tp::shard::rank_config;
+use kiln_benches::{floor_seconds, fp8_kv_scales, kimi_k2_layers, step_floor_seconds};
+use kiln_core::model::ModelConfig;
 use kiln_kernels::fill::{fill_random_bits, fill_random_records};
 use kiln_kernels::mla::KvFormat;
 
@@ -39,6 +45,14 @@ struct Args {
     /// Timed repetitions per point (the median is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// Time one rank of tensor parallelism over T GPUs (`model::tp`'s shapes, all-reduces
+    /// stood in for by device work of their modelled time).
+    #[arg(long, value_name = "T")]
+    tp_rank_of: Option<usize>,
+    /// Time whole steps of the first N layers of Kimi K2 with its vocabulary (the model
+    /// `kiln serve --synthetic kimi-k2.6 --layers N` serves) instead of one layer.
+    #[arg(long, value_name = "N")]
+    served_layers: Option<usize>,
     /// Write every point as JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -56,6 +70,7 @@ fn parse_kv(s: &str) -> Result<KvFormat, String> {
 
 #[derive(serde::Serialize)]
 struct Point {
+    /// `decode` or `prefill` (one layer's share), `step` (a whole served model's step).
     kind: &'static str,
     kv: &'static str,
     batch: usize,
@@ -76,25 +91,62 @@ struct Bench {
     args: Args,
 }
 
+impl Bench {
+    /// `c`, or one TP rank's share of it.
+    fn shapes(&self, c: ModelConfig) -> anyhow::Result<ModelConfig> {
+        Ok(match self.args.tp_rank_of {
+            Some(t) => rank_config(&c, t)?,
+            None => c,
+        })
+    }
+
+    fn model<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        c: ModelConfig,
+        seed: u32,
+    ) -> anyhow::Result<GpuModel<R>> {
+        let m = GpuModel::synthetic(client.clone(), self.shapes(c)?, seed)?;
+        Ok(match self.args.tp_rank_of {
+            Some(t) => m.with_all_reduce_stand_in(t)?,
+            None => m,
+        })
+    }
+}
+
 impl BackendVisitor for Bench {
     type Output = anyhow::Result<Vec<Point>>;
     fn visit<R: Runtime>(self, client: ComputeClient<R>, report: DeviceReport) -> Self::Output {
         eprintln!("{report}");
-        let one = GpuModel::synthetic(client.clone(), kimi_k2_layers(1, 1024), 1)?;
-        let three = GpuModel::synthetic(client.clone(), kimi_k2_layers(3, 1024), 2)?;
+        let (kv, reps) = (self.args.kv, self.args.reps);
         let mut points = Vec::new();
-        let kv = self.args.kv;
+        if let Some(n) = self.args.served_layers {
+            let m = self.model(&client, ModelConfig::kimi_k2().first_layers(n), 1)?;
+            for &b in &self.args.batches {
+                for &ctx in &self.args.contexts {
+                    let t = step_timing(&m, b, ctx, 1, reps, kv)?;
+                    let (bytes, floor) = step_floor_seconds(&m.config, b, b * ctx, kv);
+                    points.push(point("step", b, ctx, t, b, bytes, floor, kv));
+                    eprintln!("step batch {b} context {ctx}: {:.3} ms", t.ms);
+                }
+            }
+            return Ok(points);
+        }
+        let one = self.model(&client, kimi_k2_layers(1, 1024), 1)?;
+        let three = self.model(&client, kimi_k2_layers(3, 1024), 2)?;
         for &b in &self.args.batches {
             for &ctx in &self.args.contexts {
-                let t = layer_timing(&one, &three, b, ctx, 1, self.args.reps, kv)?;
-                points.push(point("decode", &three, b, ctx, t, b * ctx, kv));
+                let t = layer_timing(&one, &three, b, ctx, 1, reps, kv)?;
+                let (bytes, floor) = floor_seconds(&three.config, b, b * ctx, kv);
+                points.push(point("decode", b, ctx, t, b, bytes, floor, kv));
                 eprintln!("decode batch {b} context {ctx}: {:.3} ms per layer", t.ms);
             }
         }
         if self.args.prefill > 0 {
             let n = self.args.prefill;
-            let t = layer_timing(&one, &three, 1, n, n, self.args.reps, kv)?;
-            points.push(point("prefill", &three, 1, n, t, n * (n + 1) / 2, kv));
+            let t = layer_timing(&one, &three, 1, n, n, reps, kv)?;
+            let (bytes, floor) = floor_seconds(&three.config, n, n * (n + 1) / 2, kv);
+            points.push(point("prefill", 1, n, t, n, bytes, floor, kv));
             eprintln!("prefill {n}: {:.3} ms per layer", t.ms);
         }
         Ok(points)
@@ -109,18 +161,18 @@ struct LayerTiming {
     issue_ms: f64,
 }
 
-fn point<R: Runtime>(
+#[allow(clippy::too_many_arguments)]
+fn point(
     kind: &'static str,
-    m: &GpuModel<R>,
     batch: usize,
     ctx: usize,
     t: LayerTiming,
-    kv_read: usize,
+    tokens: usize,
+    bytes: f64,
+    floor: f64,
     kv: KvFormat,
 ) -> Point {
     let ms = t.ms;
-    let tokens = if kind == "prefill" { ctx } else { batch };
-    let (bytes, floor) = floor_seconds(&m.config, tokens, kv_read, kv);
     Point {
         kind,
         kv: if kv == KvFormat::Fp8 { "fp8" } else { "bf16" },

@@ -36,6 +36,7 @@ Examples:
   kiln bench --url http://127.0.0.1:30000 --scale 0.02 --think-scale 0.05 --duration 30 \\
       --sweep 1,2,4,8 --json sweep.json --plot sweep.svg
   kiln bench --url http://127.0.0.1:30000 --trace mooncake_trace.jsonl --trace-clock
+  kiln bench --replot 'TP1 bf16=a1.json,a4.json' --replot 'TP4 fp8=b.json' --plot all.svg
 
 Without --trace, each concurrent user runs generated coding-agent sessions (a shared
 system prompt with tool definitions, turns that re-send the whole history plus a tool
@@ -51,8 +52,13 @@ the responses report them, and from the server's own /metrics counters when it e
 kiln's or SGLang's); speculative accept length (SGLang's spec_verify_ct); errors.")]
 pub struct BenchArgs {
     /// Base URL of the server, e.g. http://127.0.0.1:30000.
-    #[arg(long)]
-    url: String,
+    #[arg(long, required_unless_present = "replot")]
+    url: Option<String>,
+    /// Run nothing: draw --plot from reports saved with --json, one series per
+    /// LABEL=FILE[,FILE...] (the points of its files together, in a colour of its own,
+    /// named in the legend); repeat for several configurations on one chart.
+    #[arg(long, value_name = "LABEL=FILES", requires = "plot")]
+    replot: Vec<String>,
     /// Concurrencies to run, one point each (concurrent sessions, or replay workers).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     sweep: Vec<u32>,
@@ -155,6 +161,9 @@ enum ApiChoice {
 /// Runs the sweep `args` describe: prints each point as it ends and the summary table,
 /// writes the JSON and the chart when asked.
 pub fn run(args: BenchArgs) -> Result<(), BenchError> {
+    if !args.replot.is_empty() {
+        return replot(&args);
+    }
     check(&args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -174,6 +183,33 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         for f in plot::write_pareto(&report.points, &title, path)? {
             eprintln!("wrote {}", f.display());
         }
+    }
+    Ok(())
+}
+
+/// Draws the chart of `--replot`'s saved reports into `--plot`.
+fn replot(args: &BenchArgs) -> Result<(), BenchError> {
+    let mut series = Vec::new();
+    for spec in &args.replot {
+        let (label, files) = spec.split_once('=').ok_or_else(|| {
+            BenchError::Args(format!("--replot takes LABEL=FILE[,FILE...], got {spec:?}"))
+        })?;
+        let mut points = Vec::new();
+        for file in files.split(',').filter(|f| !f.is_empty()) {
+            points.extend(BenchReport::read_json(std::path::Path::new(file))?.points);
+        }
+        if points.is_empty() {
+            return Err(BenchError::Args(format!("--replot {spec:?} names no report")));
+        }
+        series.push(plot::Series {
+            label: label.to_string(),
+            points,
+        });
+    }
+    let path = args.plot.as_ref().expect("clap requires --plot with --replot");
+    let title = format!("kiln bench ({} GPU per point)", args.gpus);
+    for f in plot::write_pareto_series(&series, &title, path)? {
+        eprintln!("wrote {}", f.display());
     }
     Ok(())
 }
@@ -257,7 +293,7 @@ async fn sweep(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         _ => WorkloadSource::Sessions { params },
     };
     Ok(BenchReport {
-        url: args.url.clone(),
+        url: url(args).to_string(),
         model: client.model.clone(),
         api: client.api.name().to_string(),
         seed: args.seed,
@@ -266,6 +302,11 @@ async fn sweep(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         workload,
         points,
     })
+}
+
+/// `--url` (clap makes it present whenever there is a sweep to run).
+fn url(args: &BenchArgs) -> &str {
+    args.url.as_deref().unwrap_or_default()
 }
 
 fn duration(args: &BenchArgs) -> Duration {
@@ -277,7 +318,7 @@ fn duration(args: &BenchArgs) -> Duration {
 async fn connect(args: &BenchArgs) -> Result<(Client, Option<u32>), BenchError> {
     let timeout = Duration::from_secs_f64(args.timeout);
     let probe = Client::new(
-        &args.url,
+        url(args),
         Api::Generate,
         String::new(),
         args.temperature,
@@ -296,9 +337,9 @@ async fn connect(args: &BenchArgs) -> Result<(Client, Option<u32>), BenchError> 
         ApiChoice::Auto if probe.has_generate(3).await => Api::Generate,
         ApiChoice::Auto => Api::Text,
     };
-    eprintln!("kiln bench: {} model {model}, api {}", args.url, api.name());
+    eprintln!("kiln bench: {} model {model}, api {}", url(args), api.name());
     Ok((
-        Client::new(&args.url, api, model, args.temperature, timeout)?,
+        Client::new(url(args), api, model, args.temperature, timeout)?,
         context,
     ))
 }

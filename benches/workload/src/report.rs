@@ -46,6 +46,17 @@ pub struct BenchReport {
 }
 
 impl BenchReport {
+    /// Reads a report [`Self::write_json`] wrote.
+    pub fn read_json(path: &std::path::Path) -> Result<Self, WorkloadError> {
+        let io = |source| WorkloadError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let text = std::fs::read_to_string(path).map_err(io)?;
+        serde_json::from_str(&text)
+            .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
+    }
+
     /// Writes the report as pretty JSON.
     pub fn write_json(&self, path: &std::path::Path) -> Result<(), WorkloadError> {
         let text = serde_json::to_string_pretty(self).expect("a report always serialises");

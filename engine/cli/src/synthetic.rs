@@ -91,8 +91,7 @@ impl SyntheticArgs {
                 (1..=all).contains(&n),
                 "--layers must be 1 to {all} for {arch:?}, got {n}"
             );
-            config.num_hidden_layers = n;
-            config.first_k_dense_replace = config.first_k_dense_replace.min(n);
+            config = config.first_layers(n);
         }
         if let Some(t) = self.tp_rank_of {
             anyhow::ensure!(

@@ -62,6 +62,16 @@ impl ModelConfig {
     pub fn qk_head_dim(&self) -> usize {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
+
+    /// The model cut to its first `layers` decoder layers (the dense ones among them stay
+    /// dense): what a benchmark that cannot hold every layer serves.
+    pub fn first_layers(&self, layers: usize) -> Self {
+        ModelConfig {
+            num_hidden_layers: layers,
+            first_k_dense_replace: self.first_k_dense_replace.min(layers),
+            ..self.clone()
+        }
+    }
 }
 
 impl ModelConfig {

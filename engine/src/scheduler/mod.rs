@@ -56,12 +56,22 @@ pub struct Step {
     slices: Vec<Slice>,
 }
 
+impl Step {
+    /// Whether every request in it runs only its last token (and any draft): no prompt
+    /// tokens.
+    pub fn is_decode(&self) -> bool {
+        self.slices.iter().all(|s| s.decode)
+    }
+}
+
 /// One request's part of a step.
 #[derive(Debug)]
 struct Slice {
     id: u64,
     /// Tokens of the request's own it runs (prefill chunk, or its last token).
     tokens: usize,
+    /// It runs only its last, generated token (and the draft).
+    decode: bool,
     /// Drafted tokens run after them, to verify (each gets a logits row, as does the last
     /// of the request's own).
     draft: Vec<u32>,
@@ -248,6 +258,7 @@ impl Scheduler {
             slices.push(Slice {
                 id: r.id,
                 tokens: own,
+                decode: own == 1 && r.pending() == 1 && r.generated() > 0,
                 draft,
             });
         }
