@@ -1,7 +1,9 @@
 //! Host-side engine overhead (criterion, CPU only): the prefix cache's match + insert of a
 //! 100k-token request among 1,000 cached sessions, and one scheduling step of 256 running
 //! decode requests. Targets (issue 5): < 1 ms and < 200 us, so a GPU step of a few
-//! milliseconds never waits on the host.
+//! milliseconds never waits on the host. And drafting (issue 27): the n-gram drafter's
+//! work for one request per step at a 100k-token context, < 50 us; and its first proposal
+//! for a request, which indexes the whole context once.
 //!
 //! Sessions share an 8k-token system prompt and then diverge; each timed request is one
 //! session's next turn (its cached history plus 512 new tokens), so the tree grows as a
@@ -13,6 +15,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use kiln::cache::{PagePool, PrefixCache, RadixCache};
 use kiln::metrics::Metrics;
 use kiln::scheduler::{SamplingParams, Scheduler, SchedulerConfig, Submission};
+use kiln::speculative::{Drafter, IndexedNgramDrafter};
 use kiln_core::rng::Rng;
 
 const PAGE: usize = 64;
@@ -132,5 +135,38 @@ fn scheduling(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, radix, scheduling);
+/// A 100k-token agent context: code-like text, tokens drawn from a 2,000-token working
+/// vocabulary so n-grams recur as they do in quoted files and tool output.
+fn agent_context(rng: &mut Rng) -> Vec<u32> {
+    (0..CONTEXT).map(|_| rng.below(2000) as u32).collect()
+}
+
+fn drafting(c: &mut Criterion) {
+    const DRAFT: usize = 4;
+    let mut rng = Rng::new(5);
+    let context = agent_context(&mut rng);
+    c.bench_function("drafting, first proposal of a 100k-token request", |b| {
+        b.iter_batched(
+            IndexedNgramDrafter::default,
+            |mut d| d.propose(0, &context, DRAFT),
+            BatchSize::LargeInput,
+        )
+    });
+    // Steady state: each step the request grows by what the last one emitted (1 to
+    // DRAFT + 1 tokens) and drafts again.
+    let mut drafter = IndexedNgramDrafter::default();
+    let mut tokens = context.clone();
+    drafter.propose(0, &tokens, DRAFT);
+    c.bench_function("drafting, one request's step at a 100k-token context", |b| {
+        b.iter(|| {
+            let emitted = 1 + rng.below(DRAFT + 1);
+            for _ in 0..emitted {
+                tokens.push(rng.below(2000) as u32);
+            }
+            drafter.propose(0, &tokens, DRAFT)
+        })
+    });
+}
+
+criterion_group!(benches, radix, scheduling, drafting);
 criterion_main!(benches);

@@ -9,7 +9,9 @@ one generated token; prefill and extend steps are left out), their mean batch (d
 tokens over decode steps), and where the engine thread spent such a step from its
 step-time counters (schedule, issue, device wait + logits read-back, sampling + token
 hand-out); layer_decode's whole step of the same model at batch c (the forward alone,
-logits read back) and its bandwidth floor; and the engine's overhead, the serving decode
+logits read back) and its bandwidth floor, the bytes over the copy rate copy_rate.py
+measured on the card the run landed on (layer_decode's own floor assumes the H200's 4.30
+TB/s); and the engine's overhead, the serving decode
 step over that forward. Last, the `kiln bench --replot` arguments that draw every
 directory's sweep on one chart.
 """
@@ -18,6 +20,8 @@ import re
 import sys
 from pathlib import Path
 
+# layer_decode's floor denominator (kiln_benches::HBM_BYTES_PER_S).
+H200_COPY = 4.30e12
 LINE = re.compile(r'^(kiln_[a-z_]+)(?:\{kind="([a-z]+)"\})? ([0-9.e+-]+)$')
 
 
@@ -42,8 +46,13 @@ def main(dirs):
           "| preempt | decode steps | mean batch | decode step ms | sched | issue | device "
           "| sample | forward-only ms | floor ms | step/forward |")
     print("|" + "---|" * 19)
-    replot = []
+    replot, cards = [], []
     for d in map(Path, dirs):
+        rescale = 1.0
+        if (d / "copy.json").exists():
+            copy = json.loads((d / "copy.json").read_text())
+            rescale = H200_COPY / copy["copy_bytes_per_s"]
+            cards.append(f"{label(d)}: {copy['gpu']}, copy {copy['copy_bytes_per_s'] / 1e12:.2f} TB/s")
         forward = {}
         if (d / "layer_decode.json").exists():
             for p in json.loads((d / "layer_decode.json").read_text()):
@@ -65,7 +74,7 @@ def main(dirs):
             ttft, tps = point.get("ttft_s") or {}, point.get("output_tps_per_user") or {}
             fp = forward.get(c)
             fwd = f"{fp['layer_ms']:.2f}" if fp else "-"
-            floor = f"{fp['floor_ms']:.2f}" if fp else "-"
+            floor = f"{fp['floor_ms'] * rescale:.2f}" if fp else "-"
             ratio = f"{serving / fp['layer_ms']:.2f}" if fp else "-"
             chr_ = point.get("cache_hit_rate")
             print(f"| {label(d)} | {c} | {point['requests']} ({point['errors']} err) "
@@ -77,6 +86,8 @@ def main(dirs):
                   f"| {phase['device']:.3f} | {phase['complete']:.3f} | {fwd} | {floor} "
                   f"| {ratio} |")
     print()
+    for card in cards:
+        print(f"card: {card}")
     print("chart: kiln bench " + " ".join(replot) + " --plot serve.svg")
 
 

@@ -4,7 +4,7 @@
 # by kiln bench's coding-agent sessions one concurrency at a time; each point's /metrics
 # before and after (step-time counters by step kind), then, with the server gone, the
 # forward alone of the same model at the same batches from layer_decode --served-layers
-# (whole steps, logits read back, and their bandwidth floor). Run from the repo root on
+# (whole steps, logits read back, and their bandwidth floor), and the card's copy rate. Run from the repo root on
 # the GPU machine after `benches/gpu/run.sh build`, inside one device call:
 #
 #   benches/gpu/serve_sweep.sh LAYERS TP KV "CONCURRENCIES" SECONDS SCALE
@@ -17,6 +17,8 @@ out="${OUT:-gpu-results}/serve-L$layers-tp$tp-$kv"
 mkdir -p "$out"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
+# The card this call landed on and its copy rate: the floors' denominator.
+python3 benches/gpu/copy_rate.py > "$out/copy.json" || true
 args=(serve --backend cuda --port 8765 --synthetic kimi-k2.6 --layers "$layers" --kv-cache-dtype "$kv")
 if [ "$tp" != 1 ]; then args+=(--tp-rank-of "$tp"); fi
 start=$(date +%s)

@@ -32,12 +32,13 @@ impl Counter {
     }
 }
 
-/// A latency histogram with fixed bucket bounds in seconds.
+/// A histogram with fixed bucket bounds: latencies in seconds, or plain values.
 #[derive(Debug)]
 pub struct Histogram {
     bounds: &'static [f64],
     buckets: Vec<AtomicU64>,
-    sum_nanos: AtomicU64,
+    /// The sum of observations, an f64's bits.
+    sum: AtomicU64,
     count: AtomicU64,
 }
 
@@ -46,22 +47,31 @@ impl Histogram {
         Histogram {
             bounds,
             buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
-            sum_nanos: AtomicU64::new(0),
+            sum: AtomicU64::new(0f64.to_bits()),
             count: AtomicU64::new(0),
         }
     }
 
+    /// A latency, in seconds.
     pub fn observe(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        if let Some(i) = self.bounds.iter().position(|&b| s <= b) {
+        self.observe_value(d.as_secs_f64());
+    }
+
+    pub fn observe_value(&self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
             self.buckets[i].fetch_add(1, Relaxed);
         }
-        self.sum_nanos.fetch_add(d.as_nanos() as u64, Relaxed);
+        let add = |bits| Some((f64::from_bits(bits) + v).to_bits());
+        let _ = self.sum.fetch_update(Relaxed, Relaxed, add);
         self.count.fetch_add(1, Relaxed);
     }
 
     pub fn count(&self) -> u64 {
         self.count.load(Relaxed)
+    }
+
+    pub fn sum(&self) -> f64 {
+        f64::from_bits(self.sum.load(Relaxed))
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
@@ -73,7 +83,7 @@ impl Histogram {
         }
         let count = self.count();
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let sum = self.sum_nanos.load(Relaxed) as f64 * 1e-9;
+        let sum = self.sum();
         let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
     }
 }
@@ -83,6 +93,10 @@ const TTFT_BOUNDS: &[f64] = &[
 ];
 const ITL_BOUNDS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
+];
+/// Tokens one verify step emits: 1 (nothing accepted) to a draft of 15 all accepted.
+const ACCEPT_LENGTH_BOUNDS: &[f64] = &[
+    1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0,
 ];
 
 /// Everything `/metrics` reports.
@@ -109,6 +123,9 @@ pub struct Metrics {
     /// Speculative decoding: tokens drafted, and those verification accepted.
     pub spec_drafted_tokens: Counter,
     pub spec_accepted_tokens: Counter,
+    /// Tokens each verify step of a request with a draft emitted (accepted drafts and the
+    /// model's own token).
+    pub spec_accept_length: Histogram,
     pub ttft: Histogram,
     pub itl: Histogram,
 }
@@ -132,6 +149,7 @@ impl Default for Metrics {
             step_times: Default::default(),
             spec_drafted_tokens: Counter::default(),
             spec_accepted_tokens: Counter::default(),
+            spec_accept_length: Histogram::new(ACCEPT_LENGTH_BOUNDS),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
         }
@@ -325,6 +343,12 @@ impl Metrics {
             "kiln_inter_token_latency_seconds",
             "Time between consecutive tokens of a request.",
         );
+        self.spec_accept_length.render(
+            &mut out,
+            "kiln_spec_accept_length",
+            "Tokens a speculative verify step emitted for one request with a draft: its \
+             accepted drafted tokens and the model's own.",
+        );
         out
     }
 }
@@ -344,6 +368,27 @@ mod tests {
         assert!(text.contains("kiln_time_to_first_token_seconds_bucket{le=\"0.1\"} 2"));
         assert!(text.contains("kiln_time_to_first_token_seconds_bucket{le=\"+Inf\"} 3"));
         assert!(text.contains("kiln_time_to_first_token_seconds_count 3"));
+        assert!(text.contains("kiln_time_to_first_token_seconds_sum 100.07"));
+    }
+
+    #[test]
+    fn the_accept_length_histogram_counts_tokens_per_verify_step() {
+        let m = Metrics::default();
+        for len in [1.0, 3.0, 3.0, 6.0] {
+            m.spec_accept_length.observe_value(len);
+        }
+        let text = m.render();
+        for line in [
+            "kiln_spec_accept_length_bucket{le=\"1\"} 1",
+            "kiln_spec_accept_length_bucket{le=\"2\"} 1",
+            "kiln_spec_accept_length_bucket{le=\"3\"} 3",
+            "kiln_spec_accept_length_bucket{le=\"6\"} 4",
+            "kiln_spec_accept_length_bucket{le=\"+Inf\"} 4",
+            "kiln_spec_accept_length_sum 13",
+            "kiln_spec_accept_length_count 4",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing");
+        }
     }
 
     #[test]

@@ -12,6 +12,11 @@
 //!   (their latest end), extended by the tokens appended since its last proposal (never
 //!   rebuilt) and dropped when the request ends: constant work per token instead of a scan
 //!   of a 100k-token history per step. What `--speculative ngram` runs.
+//! - [`SimulatedDrafter`] with [`SpecConfig::simulated_accept_len`]: a benchmark mode, as
+//!   SGLang's `SGLANG_SIMULATE_ACC_LEN`: every decoding request drafts the most it may and
+//!   verification keeps as many drafted tokens as give the set mean accept length
+//!   ([`simulated_accepts`]), so the cost of speculation at a given acceptance is measured
+//!   on any model (a synthetic one's outputs match no drafter). Outputs are not the model's.
 //! - [`draft_len`]: how many tokens a request may draft in a step (a pure policy).
 
 /// Longest suffix the n-gram drafter matches.
@@ -101,27 +106,55 @@ impl Drafter for IndexedNgramDrafter {
     }
 }
 
+/// Drafts of the most tokens allowed (the request's last token repeated), for the
+/// simulated-acceptance benchmark mode: see the module docs.
+#[derive(Debug, Default)]
+pub struct SimulatedDrafter;
+
+impl Drafter for SimulatedDrafter {
+    fn propose(&mut self, _id: u64, tokens: &[u32], max: usize) -> Vec<u32> {
+        tokens.last().map_or(Vec::new(), |&t| vec![t; max])
+    }
+}
+
 /// Which drafter serves a request's drafts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DrafterKind {
     /// Prompt lookup ([`IndexedNgramDrafter`]).
     Ngram,
+    /// Full-length drafts for simulated acceptance ([`SimulatedDrafter`]).
+    Simulated,
 }
 
 impl DrafterKind {
     pub fn build(self) -> Box<dyn Drafter> {
         match self {
             DrafterKind::Ngram => Box::new(IndexedNgramDrafter::default()),
+            DrafterKind::Simulated => Box::new(SimulatedDrafter),
         }
     }
 }
 
 /// Speculative decoding's settings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SpecConfig {
     pub drafter: DrafterKind,
     /// Most tokens one request drafts per step.
     pub max_draft: usize,
+    /// Benchmark mode: verification keeps drafted tokens at random so that a verify step
+    /// emits this many tokens on average ([`simulated_accepts`]) instead of checking them
+    /// against the model. Not lossless: for measuring speed only.
+    pub simulated_accept_len: Option<f64>,
+}
+
+/// Drafted tokens a verify step keeps in simulated-acceptance mode: `accept_len - 1` on
+/// average (the bonus token makes up the rest), `floor` or `floor + 1` of them drawn with
+/// `uniform` in `[0, 1)`, never more than the `drafted`.
+pub fn simulated_accepts(accept_len: f64, drafted: usize, uniform: f64) -> usize {
+    let mean = (accept_len - 1.0).max(0.0);
+    let whole = mean.floor();
+    let extra = usize::from(uniform < mean - whole);
+    (whole as usize + extra).min(drafted)
 }
 
 /// Tokens a decoding request may draft this step: none when `decoding` requests share the
@@ -180,6 +213,18 @@ mod tests {
         assert!(d.propose(0, &[5], 4).is_empty());
         // A suffix of two matches when three do not.
         assert_eq!(d.propose(0, &[1, 2, 9, 9, 3, 1, 2], 3), vec![9, 9, 3]);
+    }
+
+    #[test]
+    fn simulated_acceptance_averages_the_set_length() {
+        let uniform = |i: usize| (i as f64 + 0.5) / 1000.0;
+        for (len, drafted) in [(1.0, 5), (2.5, 5), (4.0, 3), (3.25, 8), (6.0, 5)] {
+            let kept: usize = (0..1000).map(|i| simulated_accepts(len, drafted, uniform(i))).sum();
+            assert!((kept as f64 / 1000.0 + 1.0 - len).abs() < 1e-9, "{len}");
+        }
+        assert_eq!(simulated_accepts(9.0, 5, 0.5), 5, "at most the draft");
+        assert_eq!(simulated_accepts(0.5, 5, 0.0), 0);
+        assert_eq!(SimulatedDrafter.propose(0, &[4, 9], 3), vec![9, 9, 9]);
     }
 
     #[test]

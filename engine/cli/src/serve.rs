@@ -81,6 +81,13 @@ pub struct ServeArgs {
     /// Most tokens a request drafts per step.
     #[arg(long, default_value_t = 4, value_name = "N")]
     max_draft_tokens: usize,
+    /// Benchmarks only (as SGLang's SGLANG_SIMULATE_ACC_LEN): every decoding request drafts
+    /// --max-draft-tokens tokens and each verify step keeps enough of them at random to
+    /// emit LEN tokens on average, whatever the model says. Outputs are not the model's;
+    /// measures what speculation at that acceptance would give. Needs --speculative
+    /// simulate.
+    #[arg(long, value_name = "LEN")]
+    simulated_accept_len: Option<f64>,
 }
 
 /// `--speculative`.
@@ -88,6 +95,35 @@ pub struct ServeArgs {
 enum SpeculativeArg {
     Off,
     Ngram,
+    /// Simulated acceptance (--simulated-accept-len): a benchmark mode.
+    Simulate,
+}
+
+/// `--speculative` and its flags, checked.
+fn speculative(args: &ServeArgs) -> anyhow::Result<Option<SpecConfig>> {
+    let accept = args.simulated_accept_len;
+    let simulate = matches!(args.speculative, SpeculativeArg::Simulate);
+    anyhow::ensure!(
+        simulate == accept.is_some(),
+        "--speculative simulate and --simulated-accept-len go together"
+    );
+    if let Some(len) = accept {
+        anyhow::ensure!(
+            len >= 1.0 && len <= (args.max_draft_tokens + 1) as f64,
+            "--simulated-accept-len must be 1 to --max-draft-tokens + 1 ({}), got {len}",
+            args.max_draft_tokens + 1
+        );
+    }
+    let drafter = match args.speculative {
+        SpeculativeArg::Off => return Ok(None),
+        SpeculativeArg::Ngram => DrafterKind::Ngram,
+        SpeculativeArg::Simulate => DrafterKind::Simulated,
+    };
+    Ok(Some(SpecConfig {
+        drafter,
+        max_draft: args.max_draft_tokens,
+        simulated_accept_len: accept,
+    }))
 }
 
 /// A duration flag: finite and not negative.
@@ -188,13 +224,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_running: args.max_running_requests,
         cache: args.prefix_cache.into(),
         stall_timeout,
-        speculative: match args.speculative {
-            SpeculativeArg::Off => None,
-            SpeculativeArg::Ngram => Some(SpecConfig {
-                drafter: DrafterKind::Ngram,
-                max_draft: args.max_draft_tokens,
-            }),
-        },
+        speculative: speculative(&args)?,
     };
     let engine = engine::start(cfg, source)?;
     if let Some(dir) = temporary {

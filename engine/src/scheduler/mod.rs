@@ -26,7 +26,7 @@ use crate::cache::{PagePool, PrefixCache};
 use crate::metrics::Metrics;
 use crate::model::gpu::{Batch, LogitRows, RequestSlice};
 use crate::sampling::{sample, verify};
-use crate::speculative::{draft_len, Drafter, SpecConfig};
+use crate::speculative::{draft_len, simulated_accepts, Drafter, SpecConfig};
 
 /// Fewest pages one eviction frees when the free list runs short.
 const EVICT_BATCH: usize = 16;
@@ -402,19 +402,26 @@ impl Scheduler {
             }
             r.last_token_at = Some(now);
             // The draft's accepted prefix, then the model's own token at the first miss
-            // (or past the whole draft).
+            // (or past the whole draft); in simulated-acceptance mode the prefix kept is
+            // drawn, not checked.
             let (temperature, top_p) = (r.params.temperature, r.params.top_p);
             let mut emitted = Vec::with_capacity(slice.draft.len() + 1);
+            let simulated = self.cfg.speculative.and_then(|s| s.simulated_accept_len);
+            let kept = simulated.map(|l| simulated_accepts(l, slice.draft.len(), r.rng.uniform()));
             for (j, row) in rows.chunks(vocab).enumerate() {
                 match slice.draft.get(j) {
-                    Some(&d) => match verify(row, d, temperature, top_p, &mut r.rng) {
+                    Some(&d) if kept.is_some_and(|k| j < k) => emitted.push(d),
+                    Some(&d) if kept.is_none() => match verify(row, d, temperature, top_p, &mut r.rng) {
                         Ok(()) => emitted.push(d),
                         Err(t) => {
                             emitted.push(t);
                             break;
                         }
                     },
-                    None => emitted.push(sample(row, temperature, top_p, &mut r.rng)),
+                    _ => {
+                        emitted.push(sample(row, temperature, top_p, &mut r.rng));
+                        break;
+                    }
                 }
             }
             let accepted = emitted.len() - 1;
@@ -429,6 +436,7 @@ impl Scheduler {
                     .spec_drafted_tokens
                     .add(slice.draft.len() as u64);
                 self.metrics.spec_accepted_tokens.add(accepted as u64);
+                self.metrics.spec_accept_length.observe_value((accepted + 1) as f64);
                 if let Some(d) = self.drafter.as_mut() {
                     d.accepted(slice.id, slice.draft.len(), accepted);
                 }

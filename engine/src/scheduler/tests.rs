@@ -407,6 +407,7 @@ fn speculative(cfg: SchedulerConfig, max_draft: usize) -> SchedulerConfig {
         speculative: Some(SpecConfig {
             drafter: crate::speculative::DrafterKind::Ngram,
             max_draft,
+            simulated_accept_len: None,
         }),
         ..cfg
     }
@@ -453,6 +454,12 @@ fn greedy_speculation_gives_the_same_tokens_in_fewer_steps() {
         let (spec, usage, m1) = run_all(speculative(cfg.clone(), 4), 512, model, &prompts, 40);
         assert_eq!(plain, spec, "speculation changed greedy tokens");
         assert!(m1.spec_drafted_tokens.get() > 0);
+        // The accept-length histogram holds one observation per verify step with a
+        // draft: the tokens it emitted, accepted drafts and the model's own.
+        let lengths = &m1.spec_accept_length;
+        assert!(lengths.count() > 0);
+        let accepted = lengths.sum() - lengths.count() as f64;
+        assert_eq!(accepted, m1.spec_accepted_tokens.get() as f64);
         if predictable {
             // Every draft of a repeating model is right: about 5 tokens a step.
             assert!(
@@ -466,6 +473,29 @@ fn greedy_speculation_gives_the_same_tokens_in_fewer_steps() {
                 "{usage:?}"
             );
         }
+    }
+}
+
+#[test]
+fn simulated_acceptance_emits_the_set_length_per_verify_step() {
+    let mut cfg = config(4, 256, 8);
+    cfg.eos_token_ids.clear();
+    let prompts: Vec<Vec<u32>> = (0..6).map(periodic_prompt).collect();
+    for len in [1.0, 2.5, 4.0] {
+        let mut cfg = speculative(cfg.clone(), 4);
+        cfg.speculative = cfg.speculative.map(|s| SpecConfig {
+            drafter: crate::speculative::DrafterKind::Simulated,
+            simulated_accept_len: Some(len),
+            ..s
+        });
+        // The simulation, not the model, decides what a verify step keeps.
+        let (out, usage, m) = run_all(cfg, 512, hashed, &prompts, 200);
+        assert!(out.iter().all(|t| t.len() == 200), "max_tokens still holds");
+        assert!(usage.iter().all(|u| u.completion_tokens == 200));
+        let lengths = &m.spec_accept_length;
+        let mean = lengths.sum() / lengths.count() as f64;
+        // Drafts near max_tokens are cut short, so the mean sits a little under `len`.
+        assert!(mean <= len + 1e-9 && mean > len - 0.25, "{len}: {mean}");
     }
 }
 

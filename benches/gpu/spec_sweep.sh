@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Speculative decoding's speed at a given acceptance, measured through kiln serve at Kimi's
+# width: the synthetic model of serve_sweep.sh, one server per accept length in
+# simulated-acceptance mode (`--speculative simulate --simulated-accept-len L`: each
+# decoding request drafts DRAFT tokens, verification keeps enough to emit L a step on
+# average), and one with speculation off, each driven by kiln bench at every concurrency.
+# Run from the repo root on the GPU machine after `benches/gpu/run.sh build`:
+#
+#   benches/gpu/spec_sweep.sh LAYERS KV DRAFT "ACCEPT_LENGTHS" "CONCURRENCIES" SECONDS SCALE
+#   e.g. benches/gpu/spec_sweep.sh 4 bf16 5 "2 4 6" "1 4 16" 20 0.1
+#
+# Results under $OUT/spec-L<layers>-<kv>-d<draft>/ (bench-off.json, bench-a<L>.json);
+# benches/gpu/spec_report.py summarises.
+set -euo pipefail
+layers=$1 kv=$2 draft=$3 accepts=$4 sweep=$5 duration=$6 scale=$7
+out="${OUT:-gpu-results}/spec-L$layers-$kv-d$draft"
+mkdir -p "$out"
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt" || true
+base=(serve --backend cuda --port 8765 --synthetic kimi-k2.6 --layers "$layers" --kv-cache-dtype "$kv")
+for a in off $accepts; do
+  args=("${base[@]}")
+  if [ "$a" != off ]; then
+    args+=(--speculative simulate --max-draft-tokens "$draft" --simulated-accept-len "$a")
+  fi
+  start=$(date +%s)
+  .gpu/kiln "${args[@]}" > "$out/serve-$a.out" 2> "$out/serve-$a.log" &
+  pid=$!
+  trap 'kill $pid 2>/dev/null || true' EXIT
+  for _ in $(seq 400); do curl -sf localhost:8765/health >/dev/null && break; sleep 0.5; done
+  echo "accept $a: serving after $(( $(date +%s) - start )) s" | tee -a "$out/startup.txt"
+  name=$([ "$a" = off ] && echo off || echo "a$a")
+  .gpu/kiln bench --url http://127.0.0.1:8765 --sweep "$(echo $sweep | tr ' ' ',')" \
+    --duration "$duration" --scale "$scale" --think-scale 0 --max-token-id 40000 --quiet \
+    --json "$out/bench-$name.json" 2>&1 | tee "$out/bench-$name.log"
+  curl -s localhost:8765/metrics > "$out/metrics-$name.txt"
+  kill $pid; wait $pid 2>/dev/null || true
+  trap - EXIT
+done
