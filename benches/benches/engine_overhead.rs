@@ -3,7 +3,8 @@
 //! decode requests. Targets (issue 5): < 1 ms and < 200 us, so a GPU step of a few
 //! milliseconds never waits on the host. And drafting (issue 27): the n-gram drafter's
 //! work for one request per step at a 100k-token context, < 50 us; and its first proposal
-//! for a request, which indexes the whole context once.
+//! for a request, which indexes the whole context once, or, for an agent's next turn, takes
+//! the previous turn's index over and indexes only the new tokens.
 //!
 //! Sessions share an 8k-token system prompt and then diverge; each timed request is one
 //! session's next turn (its cached history plus 512 new tokens), so the tree grows as a
@@ -152,20 +153,42 @@ fn drafting(c: &mut Criterion) {
             BatchSize::LargeInput,
         )
     });
+    // An agent's next turn: the previous turn's index is retained and taken over, so
+    // only the turn's new 512 tokens are indexed.
+    let mut next_turn = context.clone();
+    next_turn.extend((0..TURN).map(|_| rng.below(2000) as u32));
+    c.bench_function(
+        "drafting, first proposal of a next turn (100k + 512 tokens)",
+        |b| {
+            b.iter_batched(
+                || {
+                    let mut d = IndexedNgramDrafter::default();
+                    d.propose(0, &context, DRAFT);
+                    d.finished(0);
+                    d
+                },
+                |mut d| d.propose(1, &next_turn, DRAFT),
+                BatchSize::LargeInput,
+            )
+        },
+    );
     // Steady state: each step the request grows by what the last one emitted (1 to
     // DRAFT + 1 tokens) and drafts again.
     let mut drafter = IndexedNgramDrafter::default();
     let mut tokens = context.clone();
     drafter.propose(0, &tokens, DRAFT);
-    c.bench_function("drafting, one request's step at a 100k-token context", |b| {
-        b.iter(|| {
-            let emitted = 1 + rng.below(DRAFT + 1);
-            for _ in 0..emitted {
-                tokens.push(rng.below(2000) as u32);
-            }
-            drafter.propose(0, &tokens, DRAFT)
-        })
-    });
+    c.bench_function(
+        "drafting, one request's step at a 100k-token context",
+        |b| {
+            b.iter(|| {
+                let emitted = 1 + rng.below(DRAFT + 1);
+                for _ in 0..emitted {
+                    tokens.push(rng.below(2000) as u32);
+                }
+                drafter.propose(0, &tokens, DRAFT)
+            })
+        },
+    );
 }
 
 criterion_group!(benches, radix, scheduling, drafting);

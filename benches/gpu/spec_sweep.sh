@@ -6,14 +6,15 @@
 # average), and one with speculation off, each driven by kiln bench at every concurrency.
 # Run from the repo root on the GPU machine after `benches/gpu/run.sh build`:
 #
-#   benches/gpu/spec_sweep.sh LAYERS KV DRAFT "ACCEPT_LENGTHS" "CONCURRENCIES" SECONDS SCALE
-#   e.g. benches/gpu/spec_sweep.sh 4 bf16 5 "2 4 6" "1 4 16" 20 0.1
+#   benches/gpu/spec_sweep.sh LAYERS KV DRAFT "ACCEPT_LENGTHS" "CONCURRENCIES" SECONDS SCALE [POLICY]
+#   e.g. benches/gpu/spec_sweep.sh 4 bf16 5 "2 4 6" "1 4 16" 20 0.1 measured
 #
-# Results under $OUT/spec-L<layers>-<kv>-d<draft>/ (bench-off.json, bench-a<L>.json);
+# POLICY is --draft-policy (measured, the default, or fixed: every request drafts DRAFT).
+# Results under $OUT/spec-L<layers>-<kv>-d<draft>-<policy>/ (bench-off.json, bench-a<L>.json);
 # benches/gpu/spec_report.py summarises.
 set -euo pipefail
-layers=$1 kv=$2 draft=$3 accepts=$4 sweep=$5 duration=$6 scale=$7
-out="${OUT:-gpu-results}/spec-L$layers-$kv-d$draft"
+layers=$1 kv=$2 draft=$3 accepts=$4 sweep=$5 duration=$6 scale=$7 policy=${8:-measured}
+out="${OUT:-gpu-results}/spec-L$layers-$kv-d$draft-$policy"
 mkdir -p "$out"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
@@ -22,7 +23,8 @@ base=(serve --backend cuda --port 8765 --synthetic kimi-k2.6 --layers "$layers" 
 for a in off $accepts; do
   args=("${base[@]}")
   if [ "$a" != off ]; then
-    args+=(--speculative simulate --max-draft-tokens "$draft" --simulated-accept-len "$a")
+    args+=(--speculative simulate --max-draft-tokens "$draft" --simulated-accept-len "$a"
+      --draft-policy "$policy")
   fi
   start=$(date +%s)
   .gpu/kiln "${args[@]}" > "$out/serve-$a.out" 2> "$out/serve-$a.log" &

@@ -362,7 +362,11 @@ fn run<R: Runtime>(
                 } else {
                     StepKind::Prefill
                 };
+                let shape = step.decode_shape();
                 sched.complete(step, &out.logits, vocab);
+                if let Some(shape) = shape {
+                    sched.observe_step(shape, start.elapsed().as_secs_f64());
+                }
                 let issue = Duration::from_secs_f64(out.issue_seconds);
                 metrics.record_step(
                     kind,

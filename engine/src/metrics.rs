@@ -95,9 +95,7 @@ const ITL_BOUNDS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
 ];
 /// Tokens one verify step emits: 1 (nothing accepted) to a draft of 15 all accepted.
-const ACCEPT_LENGTH_BOUNDS: &[f64] = &[
-    1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0,
-];
+const ACCEPT_LENGTH_BOUNDS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0];
 
 /// Everything `/metrics` reports.
 #[derive(Debug)]

@@ -199,14 +199,19 @@ fn replot(args: &BenchArgs) -> Result<(), BenchError> {
             points.extend(BenchReport::read_json(std::path::Path::new(file))?.points);
         }
         if points.is_empty() {
-            return Err(BenchError::Args(format!("--replot {spec:?} names no report")));
+            return Err(BenchError::Args(format!(
+                "--replot {spec:?} names no report"
+            )));
         }
         series.push(plot::Series {
             label: label.to_string(),
             points,
         });
     }
-    let path = args.plot.as_ref().expect("clap requires --plot with --replot");
+    let path = args
+        .plot
+        .as_ref()
+        .expect("clap requires --plot with --replot");
     let title = format!("kiln bench ({} GPU per point)", args.gpus);
     for f in plot::write_pareto_series(&series, &title, path)? {
         eprintln!("wrote {}", f.display());
@@ -337,7 +342,11 @@ async fn connect(args: &BenchArgs) -> Result<(Client, Option<u32>), BenchError> 
         ApiChoice::Auto if probe.has_generate(3).await => Api::Generate,
         ApiChoice::Auto => Api::Text,
     };
-    eprintln!("kiln bench: {} model {model}, api {}", url(args), api.name());
+    eprintln!(
+        "kiln bench: {} model {model}, api {}",
+        url(args),
+        api.name()
+    );
     Ok((
         Client::new(url(args), api, model, args.temperature, timeout)?,
         context,

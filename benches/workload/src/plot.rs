@@ -124,7 +124,11 @@ fn draw<DB: DrawingBackend>(
                 PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2))
             });
         }
-        let dot = if series.len() == 1 { RED.to_rgba() } else { colour };
+        let dot = if series.len() == 1 {
+            RED.to_rgba()
+        } else {
+            colour
+        };
         chart
             .draw_series(s.points.iter().map(|p| {
                 let label = Text::new(p.label(), (8, -18), ("sans-serif", 14));
@@ -205,8 +209,14 @@ mod tests {
                 .collect()
         };
         let series = [
-            Series { label: "TP1 bf16 KV".into(), points: sweep(1.0) },
-            Series { label: "TP4 rank fp8 KV".into(), points: sweep(1.7) },
+            Series {
+                label: "TP1 bf16 KV".into(),
+                points: sweep(1.0),
+            },
+            Series {
+                label: "TP4 rank fp8 KV".into(),
+                points: sweep(1.7),
+            },
         ];
         let dir = std::env::temp_dir().join(format!("kiln-plot-series-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

@@ -14,7 +14,7 @@ use kiln::model::default_model;
 use kiln::model::tokenizer::TextCodec;
 use kiln::model::Checkpoint;
 use kiln::server::{router, AppState, KimiFormat};
-use kiln::speculative::{DrafterKind, SpecConfig};
+use kiln::speculative::{DraftPolicy, DrafterKind, SpecConfig};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -75,12 +75,19 @@ pub struct ServeArgs {
     client_stall_timeout: f64,
     /// Speculative decoding: off, or ngram (prompt lookup: drafts copied from where the
     /// request's last tokens occurred before, verified in the next step; the output is
-    /// the same as without, greedy or sampled). Off above 16 decoding requests.
+    /// the same as without, greedy or sampled), or simulate (a benchmark mode: see
+    /// --simulated-accept-len). Off above 16 decoding requests.
     #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
     speculative: SpeculativeArg,
     /// Most tokens a request drafts per step.
     #[arg(long, default_value_t = 4, value_name = "N")]
     max_draft_tokens: usize,
+    /// How many tokens each request drafts within --max-draft-tokens: measured (from the
+    /// decode steps' measured times by size and each request's recent acceptance, drafting
+    /// only where the expected tokens per second beat a plain step by 5%: off where
+    /// verification costs more than it earns), or fixed (always the most).
+    #[arg(long, value_enum, default_value_t = DraftPolicyArg::Measured)]
+    draft_policy: DraftPolicyArg,
     /// Benchmarks only (as SGLang's SGLANG_SIMULATE_ACC_LEN): every decoding request drafts
     /// --max-draft-tokens tokens and each verify step keeps enough of them at random to
     /// emit LEN tokens on average, whatever the model says. Outputs are not the model's;
@@ -97,6 +104,13 @@ enum SpeculativeArg {
     Ngram,
     /// Simulated acceptance (--simulated-accept-len): a benchmark mode.
     Simulate,
+}
+
+/// `--draft-policy`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum DraftPolicyArg {
+    Measured,
+    Fixed,
 }
 
 /// `--speculative` and its flags, checked.
@@ -122,6 +136,10 @@ fn speculative(args: &ServeArgs) -> anyhow::Result<Option<SpecConfig>> {
     Ok(Some(SpecConfig {
         drafter,
         max_draft: args.max_draft_tokens,
+        policy: match args.draft_policy {
+            DraftPolicyArg::Measured => DraftPolicy::Measured,
+            DraftPolicyArg::Fixed => DraftPolicy::Fixed,
+        },
         simulated_accept_len: accept,
     }))
 }

@@ -26,7 +26,8 @@ use crate::cache::{PagePool, PrefixCache};
 use crate::metrics::Metrics;
 use crate::model::gpu::{Batch, LogitRows, RequestSlice};
 use crate::sampling::{sample, verify};
-use crate::speculative::{draft_len, simulated_accepts, Drafter, SpecConfig};
+use crate::speculative::policy::{draft_budgets, Acceptance, StepCosts};
+use crate::speculative::{draft_len, simulated_accepts, DraftPolicy, Drafter, SpecConfig};
 
 /// Fewest pages one eviction frees when the free list runs short.
 const EVICT_BATCH: usize = 16;
@@ -62,6 +63,13 @@ impl Step {
     pub fn is_decode(&self) -> bool {
         self.slices.iter().all(|s| s.decode)
     }
+
+    /// A decode step's requests and the tokens it runs (theirs and their drafts), which
+    /// its time is recorded under ([`Scheduler::observe_step`]); `None` for other steps.
+    pub fn decode_shape(&self) -> Option<(usize, usize)> {
+        let rows = self.slices.iter().map(|s| s.tokens + s.draft.len()).sum();
+        self.is_decode().then_some((self.slices.len(), rows))
+    }
 }
 
 /// One request's part of a step.
@@ -87,6 +95,10 @@ pub struct Scheduler {
     running: Vec<Request>,
     metrics: Arc<Metrics>,
     drafter: Option<Box<dyn Drafter>>,
+    /// Decode steps' measured times, and the acceptance of all requests' drafts lately
+    /// (what each request's own estimate leans on), for the draft policy.
+    costs: StepCosts,
+    acceptance: Acceptance,
 }
 
 impl Scheduler {
@@ -108,7 +120,15 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             metrics,
+            costs: StepCosts::default(),
+            acceptance: Acceptance::geometric(0.5),
         }
+    }
+
+    /// A decode step of shape `(requests, tokens)` ([`Step::decode_shape`]) took
+    /// `seconds`, planning to sampling: what the draft policy sizes drafts by.
+    pub fn observe_step(&mut self, (requests, rows): (usize, usize), seconds: f64) {
+        self.costs.observe(requests, rows, seconds);
     }
 
     /// Tokens the pool holds.
@@ -202,6 +222,7 @@ impl Scheduler {
         let mut plan: Vec<usize> = vec![0; self.running.len()];
         let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); self.running.len()];
         let decoding = self.decoding();
+        let limits = self.draft_limits(decoding, now);
         // A running request left out for lack of pages: newcomers must not take them.
         let mut starved = false;
         // Decode first, then prefill chunks, each in admission order.
@@ -212,7 +233,7 @@ impl Scheduler {
                 let paused = self.running[i].stalled_since.is_some();
                 if plan[i] == 0 && !paused && (pending == 1) == decode_pass {
                     let draft = match decode_pass {
-                        true => self.draft(i, decoding, budget),
+                        true => self.draft(i, decoding, budget, limits[i]),
                         false => Vec::new(),
                     };
                     let want = policy::chunk_len(pending, budget) + draft.len();
@@ -272,14 +293,53 @@ impl Scheduler {
         Some(Step { batch, slices })
     }
 
-    /// A draft for decoding request `i` (empty when speculation is off or cannot pay).
-    fn draft(&mut self, i: usize, decoding: usize, budget: usize) -> Vec<u32> {
+    /// Most tokens each running request drafts this step: none unless it decodes; else
+    /// its limits ([`draft_len`] within the whole step's budget) and, within them, what
+    /// the draft policy gives it (nothing in a step that measures the plain step again).
+    fn draft_limits(&self, decoding: usize, now: Instant) -> Vec<usize> {
+        let mut limits = vec![0; self.running.len()];
+        let Some(spec) = self.cfg.speculative else {
+            return limits;
+        };
+        let decodes: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].pending() == 1 && self.running[i].stalled_since.is_none())
+            .collect();
+        let most: Vec<usize> = decodes
+            .iter()
+            .map(|&i| {
+                let room = self.running[i].events.capacity();
+                draft_len(spec.max_draft, decoding, self.cfg.max_batch_tokens, room)
+            })
+            .collect();
+        let b = decodes.len();
+        let given = match spec.policy {
+            DraftPolicy::Fixed => most,
+            DraftPolicy::Measured if self.costs.plain_due(b, now) => vec![0; b],
+            DraftPolicy::Measured => {
+                let gains: Vec<Vec<f64>> = decodes
+                    .iter()
+                    .zip(most)
+                    .map(|(&i, most)| self.running[i].acceptance.gains(&self.acceptance, most))
+                    .collect();
+                let costs = &self.costs;
+                draft_budgets(&gains, |rows| costs.estimate(b, rows))
+            }
+        };
+        for (i, n) in decodes.into_iter().zip(given) {
+            limits[i] = n;
+        }
+        limits
+    }
+
+    /// A draft of at most `most` tokens for decoding request `i` (empty when speculation
+    /// is off or cannot pay).
+    fn draft(&mut self, i: usize, decoding: usize, budget: usize, most: usize) -> Vec<u32> {
         let (Some(spec), Some(drafter)) = (self.cfg.speculative, self.drafter.as_mut()) else {
             return Vec::new();
         };
         let r = &self.running[i];
         let room = r.events.capacity();
-        let max = draft_len(spec.max_draft, decoding, budget, room);
+        let max = draft_len(spec.max_draft, decoding, budget, room).min(most);
         if max == 0 {
             return Vec::new();
         }
@@ -411,13 +471,15 @@ impl Scheduler {
             for (j, row) in rows.chunks(vocab).enumerate() {
                 match slice.draft.get(j) {
                     Some(&d) if kept.is_some_and(|k| j < k) => emitted.push(d),
-                    Some(&d) if kept.is_none() => match verify(row, d, temperature, top_p, &mut r.rng) {
-                        Ok(()) => emitted.push(d),
-                        Err(t) => {
-                            emitted.push(t);
-                            break;
+                    Some(&d) if kept.is_none() => {
+                        match verify(row, d, temperature, top_p, &mut r.rng) {
+                            Ok(()) => emitted.push(d),
+                            Err(t) => {
+                                emitted.push(t);
+                                break;
+                            }
                         }
-                    },
+                    }
                     _ => {
                         emitted.push(sample(row, temperature, top_p, &mut r.rng));
                         break;
@@ -436,7 +498,11 @@ impl Scheduler {
                     .spec_drafted_tokens
                     .add(slice.draft.len() as u64);
                 self.metrics.spec_accepted_tokens.add(accepted as u64);
-                self.metrics.spec_accept_length.observe_value((accepted + 1) as f64);
+                self.metrics
+                    .spec_accept_length
+                    .observe_value((accepted + 1) as f64);
+                r.acceptance.record(slice.draft.len(), accepted);
+                self.acceptance.record(slice.draft.len(), accepted);
                 if let Some(d) = self.drafter.as_mut() {
                     d.accepted(slice.id, slice.draft.len(), accepted);
                 }

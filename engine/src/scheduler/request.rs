@@ -7,6 +7,8 @@ use std::time::Instant;
 use kiln_core::rng::Rng;
 use tokio::sync::mpsc::Sender;
 
+use crate::speculative::policy::Acceptance;
+
 /// How to pick tokens and when to stop.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -128,6 +130,8 @@ pub(crate) struct Request {
     /// Steps that verified a draft of this request, and the drafted tokens accepted.
     pub spec_verify_ct: usize,
     pub spec_accepted: usize,
+    /// How its drafted tokens fared lately, by depth (the draft policy's input).
+    pub acceptance: Acceptance,
 }
 
 impl Request {
@@ -149,6 +153,7 @@ impl Request {
             stalled_since: None,
             spec_verify_ct: 0,
             spec_accepted: 0,
+            acceptance: Acceptance::default(),
         }
     }
 

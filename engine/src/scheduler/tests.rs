@@ -107,10 +107,15 @@ fn config(page_size: usize, budget: usize, max_running: usize) -> SchedulerConfi
 /// Room for every event of the tests' requests: they read outcomes after running.
 const ROOM: usize = 1 << 16;
 
+/// Seconds a decode step of shape `(requests, tokens)` takes, for the draft policy.
+type StepCost = fn((usize, usize)) -> f64;
+
 struct Run {
     sched: Scheduler,
     kv: HostKv,
     metrics: Arc<Metrics>,
+    /// Each decode step's time as the engine would measure it (none: not observed).
+    cost: Option<StepCost>,
 }
 
 impl Run {
@@ -122,6 +127,7 @@ impl Run {
             sched: Scheduler::new(cfg, pages, cache, metrics.clone()),
             kv,
             metrics,
+            cost: None,
         }
     }
 
@@ -169,7 +175,11 @@ impl Run {
         self.sched.check_pages();
         let lens = step.batch.requests.iter().map(|r| r.tokens.len()).collect();
         let logits = self.kv.step(&step.batch);
+        let shape = step.decode_shape();
         self.sched.complete(step, &logits, VOCAB);
+        if let (Some(shape), Some(cost)) = (shape, self.cost) {
+            self.sched.observe_step(shape, cost(shape));
+        }
         self.sched.check_pages();
         Some(lens)
     }
@@ -407,6 +417,7 @@ fn speculative(cfg: SchedulerConfig, max_draft: usize) -> SchedulerConfig {
         speculative: Some(SpecConfig {
             drafter: crate::speculative::DrafterKind::Ngram,
             max_draft,
+            policy: crate::speculative::DraftPolicy::Fixed,
             simulated_accept_len: None,
         }),
         ..cfg
@@ -422,8 +433,21 @@ fn run_all(
     prompts: &[Vec<u32>],
     max_tokens: usize,
 ) -> (Vec<Vec<u32>>, Vec<Usage>, Arc<Metrics>) {
+    run_costed(cfg, pages, model, prompts, max_tokens, None)
+}
+
+/// [`run_all`] with each decode step's time observed as `cost` says.
+fn run_costed(
+    cfg: SchedulerConfig,
+    pages: usize,
+    model: Model,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    cost: Option<StepCost>,
+) -> (Vec<Vec<u32>>, Vec<Usage>, Arc<Metrics>) {
     let mut run = Run::new(cfg, pages);
     run.kv.model = model;
+    run.cost = cost;
     let mut rxs: Vec<_> = (0..prompts.len())
         .map(|i| run.submit(i as u64, prompts[i].clone(), max_tokens))
         .collect();
@@ -474,6 +498,107 @@ fn greedy_speculation_gives_the_same_tokens_in_fewer_steps() {
             );
         }
     }
+}
+
+/// [`speculative`] with drafts sized by the measured policy.
+fn measured(cfg: SchedulerConfig, max_draft: usize) -> SchedulerConfig {
+    let mut cfg = speculative(cfg, max_draft);
+    cfg.speculative = cfg.speculative.map(|s| SpecConfig {
+        policy: crate::speculative::DraftPolicy::Measured,
+        ..s
+    });
+    cfg
+}
+
+/// 10 ms a decode step, and 0.1 ms per drafted token (verification nearly free).
+fn cheap((requests, rows): (usize, usize)) -> f64 {
+    0.010 + 0.0001 * (rows - requests) as f64
+}
+
+/// 10 ms a decode step, and 1 ms per drafted token: drafts of high acceptance pay, of low
+/// acceptance do not.
+fn moderate((requests, rows): (usize, usize)) -> f64 {
+    0.010 + 0.001 * (rows - requests) as f64
+}
+
+/// 10 ms a decode step, and 10 ms per request's worth of drafted tokens (verifying a
+/// draft costs as much as the tokens it could save).
+fn dear((requests, rows): (usize, usize)) -> f64 {
+    0.010 * rows as f64 / requests as f64
+}
+
+#[test]
+fn the_measured_policy_drafts_only_where_verification_pays() {
+    let mut cfg = config(4, 256, 8);
+    cfg.eos_token_ids.clear();
+    let prompts: Vec<Vec<u32>> = (0..4).map(periodic_prompt).collect();
+    let (plain, _, m0) = run_all(cfg.clone(), 512, periodic, &prompts, 60);
+    // Right drafts, cheap verification: it drafts, in far fewer steps.
+    let (spec, _, m) = run_costed(
+        measured(cfg.clone(), 4),
+        512,
+        periodic,
+        &prompts,
+        60,
+        Some(cheap),
+    );
+    assert_eq!(plain, spec, "speculation changed greedy tokens");
+    assert!(
+        m.steps.get() * 2 < m0.steps.get(),
+        "{} vs {}",
+        m.steps.get(),
+        m0.steps.get()
+    );
+    // Right drafts, dear verification: one step tries drafts (a size not yet measured),
+    // then it stops.
+    let (spec, _, m) = run_costed(
+        measured(cfg.clone(), 4),
+        512,
+        periodic,
+        &prompts,
+        60,
+        Some(dear),
+    );
+    assert_eq!(plain, spec);
+    assert!(
+        m.spec_drafted_tokens.get() <= 16,
+        "{}",
+        m.spec_drafted_tokens.get()
+    );
+    // Wrong drafts, verification at 10% of a step per token: acceptance falls and
+    // drafting stops, where the fixed policy drafts all along.
+    let (plain, _, _) = run_all(cfg.clone(), 512, hashed, &prompts, 60);
+    let (fixed, _, mf) = run_all(speculative(cfg.clone(), 4), 512, hashed, &prompts, 60);
+    let (spec, _, m) = run_costed(measured(cfg, 4), 512, hashed, &prompts, 60, Some(moderate));
+    assert_eq!(plain, fixed);
+    assert_eq!(plain, spec);
+    let (drafted, fixed_drafted) = (m.spec_drafted_tokens.get(), mf.spec_drafted_tokens.get());
+    assert!(drafted * 4 < fixed_drafted, "{drafted} vs {fixed_drafted}");
+}
+
+#[test]
+fn the_measured_policy_drafts_as_deep_as_drafts_are_accepted() {
+    // Simulated acceptance at 4 keeps 3 of 5 drafted tokens, every step: once measured,
+    // the policy drafts 3 (the 4th and 5th never pay) and each verify step still emits 4.
+    let mut cfg = config(4, 256, 8);
+    cfg.eos_token_ids.clear();
+    let mut cfg = measured(cfg, 5);
+    cfg.speculative = cfg.speculative.map(|s| SpecConfig {
+        drafter: crate::speculative::DrafterKind::Simulated,
+        simulated_accept_len: Some(4.0),
+        ..s
+    });
+    let prompts: Vec<Vec<u32>> = (0..6).map(periodic_prompt).collect();
+    let (_, _, m) = run_costed(cfg, 1024, hashed, &prompts, 400, Some(moderate));
+    let lengths = &m.spec_accept_length;
+    let verified = lengths.count() as f64;
+    let drafted = m.spec_drafted_tokens.get() as f64 / verified;
+    assert!(drafted < 3.3, "{drafted} drafted a verify step");
+    assert!(
+        lengths.sum() / verified > 3.8,
+        "{}",
+        lengths.sum() / verified
+    );
 }
 
 #[test]

@@ -17,7 +17,12 @@
 //!   verification keeps as many drafted tokens as give the set mean accept length
 //!   ([`simulated_accepts`]), so the cost of speculation at a given acceptance is measured
 //!   on any model (a synthetic one's outputs match no drafter). Outputs are not the model's.
-//! - [`draft_len`]: how many tokens a request may draft in a step (a pure policy).
+//! - [`draft_len`]: how many tokens a request may draft in a step (its limits), and
+//!   [`policy`]: how many it does, from measured verification cost and acceptance.
+
+pub mod policy;
+
+pub use policy::DraftPolicy;
 
 /// Longest suffix the n-gram drafter matches.
 pub const NGRAM_MAX: usize = 4;
@@ -70,19 +75,67 @@ fn gram(tokens: &[u32]) -> Gram {
 struct GramIndex {
     /// Ends `1..=indexed` are in `latest`.
     indexed: usize,
+    /// [`prefix_hash`] of the tokens before `indexed`: whose tokens the index holds.
+    hash: u64,
     latest: std::collections::HashMap<Gram, usize>,
 }
 
-/// Prompt lookup from an incremental index: see the module docs.
+/// A rolling hash of tokens, extended one token at a time.
+fn prefix_hash(hash: u64, token: u32) -> u64 {
+    hash.wrapping_mul(0x100_0000_01b3)
+        .wrapping_add(u64::from(token) + 1)
+}
+
+/// Indexes of ended requests the drafter keeps for the requests that extend them.
+pub const RETAINED_INDEXES: usize = 8;
+
+/// Prompt lookup from an incremental index: see the module docs. An ended request's index
+/// is kept (the latest [`RETAINED_INDEXES`]) and taken over by a new request whose tokens
+/// begin with the ones it indexed: an agent's next turn re-sends the whole history, and
+/// indexing 100k tokens again would hold the engine for tens of milliseconds. The match is
+/// by a 64-bit hash; a false match could only cost acceptance, never output, since every
+/// draft is verified.
 #[derive(Debug, Default)]
 pub struct IndexedNgramDrafter {
     requests: std::collections::HashMap<u64, GramIndex>,
+    retained: std::collections::VecDeque<GramIndex>,
+}
+
+impl IndexedNgramDrafter {
+    /// The retained index of the longest prefix of `tokens` (short of the last token), if
+    /// any, taken out of the retained ones.
+    fn take_over(&mut self, tokens: &[u32]) -> Option<GramIndex> {
+        let usable = tokens.len().saturating_sub(1);
+        let longest = self
+            .retained
+            .iter()
+            .map(|r| r.indexed)
+            .filter(|&n| n <= usable)
+            .max()?;
+        let mut hash = 0;
+        let mut best = None;
+        for (i, &t) in tokens[..longest].iter().enumerate() {
+            hash = prefix_hash(hash, t);
+            if let Some(at) = self
+                .retained
+                .iter()
+                .position(|r| r.indexed == i + 1 && r.hash == hash)
+            {
+                best = Some(at);
+            }
+        }
+        best.and_then(|at| self.retained.remove(at))
+    }
 }
 
 impl Drafter for IndexedNgramDrafter {
     fn propose(&mut self, id: u64, tokens: &[u32], max: usize) -> Vec<u32> {
         let len = tokens.len();
-        let index = self.requests.entry(id).or_default();
+        if !self.requests.contains_key(&id) {
+            let index = self.take_over(tokens).unwrap_or_default();
+            self.requests.insert(id, index);
+        }
+        let index = self.requests.get_mut(&id).expect("inserted above");
         if index.indexed > len {
             *index = GramIndex::default(); // not this request's tokens: start over
         }
@@ -92,7 +145,11 @@ impl Drafter for IndexedNgramDrafter {
                 index.latest.insert(gram(&tokens[end - n..end]), end);
             }
         }
-        index.indexed = index.indexed.max(len.saturating_sub(1));
+        let indexed = index.indexed.max(len.saturating_sub(1));
+        for &t in &tokens[index.indexed..indexed] {
+            index.hash = prefix_hash(index.hash, t);
+        }
+        index.indexed = indexed;
         for n in (NGRAM_MIN..=NGRAM_MAX.min(len.saturating_sub(1))).rev() {
             if let Some(&end) = index.latest.get(&gram(&tokens[len - n..])) {
                 return tokens[end..(end + max).min(len)].to_vec();
@@ -102,7 +159,12 @@ impl Drafter for IndexedNgramDrafter {
     }
 
     fn finished(&mut self, id: u64) {
-        self.requests.remove(&id);
+        if let Some(index) = self.requests.remove(&id) {
+            if self.retained.len() == RETAINED_INDEXES {
+                self.retained.pop_front();
+            }
+            self.retained.push_back(index);
+        }
     }
 }
 
@@ -141,6 +203,8 @@ pub struct SpecConfig {
     pub drafter: DrafterKind,
     /// Most tokens one request drafts per step.
     pub max_draft: usize,
+    /// How many it drafts within that.
+    pub policy: DraftPolicy,
     /// Benchmark mode: verification keeps drafted tokens at random so that a verify step
     /// emits this many tokens on average ([`simulated_accepts`]) instead of checking them
     /// against the model. Not lossless: for measuring speed only.
@@ -183,11 +247,12 @@ mod tests {
             alphabet in 2u32..6,
             seed_tokens in prop::collection::vec(0u32..1000, 1..40),
             appends in prop::collection::vec((1usize..6, 1usize..7), 1..30),
+            appends_again in prop::collection::vec((1usize..6, 1usize..7), 1..10),
         ) {
             let mut tokens: Vec<u32> = seed_tokens.iter().map(|t| t % alphabet).collect();
             let (mut naive, mut indexed) = (NgramDrafter, IndexedNgramDrafter::default());
             let mut next = 7u32;
-            for (grow, max) in appends {
+            for &(grow, max) in &appends {
                 for _ in 0..grow {
                     next = next.wrapping_mul(1_103_515_245).wrapping_add(12345);
                     tokens.push((next >> 16) % alphabet);
@@ -196,7 +261,52 @@ mod tests {
             }
             indexed.finished(3);
             prop_assert!(indexed.requests.is_empty());
+            // The next request extends the first's tokens (it takes the index over), or
+            // changes one of them (it must not): the same proposals either way.
+            let mut next_tokens = tokens.clone();
+            if let Some(&(grow, _)) = appends.first() {
+                if grow % 2 == 0 {
+                    let at = next % next_tokens.len() as u32;
+                    next_tokens[at as usize] = (next_tokens[at as usize] + 1) % alphabet;
+                }
+            }
+            for (grow, max) in appends_again {
+                for _ in 0..grow {
+                    next = next.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                    next_tokens.push((next >> 16) % alphabet);
+                }
+                prop_assert_eq!(
+                    indexed.propose(4, &next_tokens, max),
+                    naive.propose(4, &next_tokens, max)
+                );
+            }
         }
+    }
+
+    #[test]
+    fn a_next_turn_takes_over_the_index_of_the_turn_it_extends() {
+        let turn: Vec<u32> = (0..1000).map(|i| (i * 7 % 13) as u32).collect();
+        let mut d = IndexedNgramDrafter::default();
+        d.propose(1, &turn, 4);
+        d.finished(1);
+        assert_eq!(d.retained.len(), 1);
+        // Another history: not taken.
+        let mut other = turn.clone();
+        other[10] = 99;
+        d.propose(2, &other, 4);
+        assert_eq!(d.retained.len(), 1);
+        // The next turn: the whole history and more.
+        let mut next = turn.clone();
+        next.extend([5, 6, 7]);
+        assert_eq!(d.propose(3, &next, 4), NgramDrafter.propose(3, &next, 4));
+        assert!(d.retained.is_empty(), "taken over");
+        for id in 10..10 + RETAINED_INDEXES as u64 + 3 {
+            let mut own = turn.clone();
+            own[0] = 100 + id as u32; // histories of their own: none taken over
+            d.propose(id, &own, 4);
+            d.finished(id);
+        }
+        assert_eq!(d.retained.len(), RETAINED_INDEXES, "bounded");
     }
 
     #[test]
@@ -219,7 +329,9 @@ mod tests {
     fn simulated_acceptance_averages_the_set_length() {
         let uniform = |i: usize| (i as f64 + 0.5) / 1000.0;
         for (len, drafted) in [(1.0, 5), (2.5, 5), (4.0, 3), (3.25, 8), (6.0, 5)] {
-            let kept: usize = (0..1000).map(|i| simulated_accepts(len, drafted, uniform(i))).sum();
+            let kept: usize = (0..1000)
+                .map(|i| simulated_accepts(len, drafted, uniform(i)))
+                .sum();
             assert!((kept as f64 / 1000.0 + 1.0 - len).abs() < 1e-9, "{len}");
         }
         assert_eq!(simulated_accepts(9.0, 5, 0.5), 5, "at most the draft");
