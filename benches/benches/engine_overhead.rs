@@ -1,8 +1,8 @@
 //! Host-side engine overhead (criterion, CPU only): the prefix cache's match + insert of a
 //! 100k-token request among 1,000 cached sessions, and one scheduling step of 256 running
 //! decode requests. Targets (issue 5): < 1 ms and < 200 us, so a GPU step of a few
-//! milliseconds never waits on the host. And drafting (issue 27): the n-gram drafter's
-//! work for one request per step at a 100k-token context, < 50 us; and its first proposal
+//! milliseconds never waits on the host. And drafting (issue 27): each drafter's (n-gram,
+//! suffix) work for one request per step at a 100k-token context, < 50 us; and its first proposal
 //! for a request, which indexes the whole context once, or, for an agent's next turn, takes
 //! the previous turn's index over and indexes only the new tokens.
 //!
@@ -16,7 +16,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use kiln::cache::{PagePool, PrefixCache, RadixCache};
 use kiln::metrics::Metrics;
 use kiln::scheduler::{SamplingParams, Scheduler, SchedulerConfig, Submission};
-use kiln::speculative::{Drafter, IndexedNgramDrafter};
+use kiln::speculative::{Drafter, IndexedNgramDrafter, SuffixDrafter};
 use kiln_core::rng::Rng;
 
 const PAGE: usize = 64;
@@ -142,50 +142,85 @@ fn agent_context(rng: &mut Rng) -> Vec<u32> {
     (0..CONTEXT).map(|_| rng.below(2000) as u32).collect()
 }
 
+/// Tokens a request grows by in the steady-state bench before it starts over from the
+/// 100k-token context (so the context stays near 100k however many iterations run).
+const WINDOW: usize = 16_384;
+
 fn drafting(c: &mut Criterion) {
-    const DRAFT: usize = 4;
     let mut rng = Rng::new(5);
     let context = agent_context(&mut rng);
-    c.bench_function("drafting, first proposal of a 100k-token request", |b| {
-        b.iter_batched(
-            IndexedNgramDrafter::default,
-            |mut d| d.propose(0, &context, DRAFT),
-            BatchSize::LargeInput,
-        )
-    });
-    // An agent's next turn: the previous turn's index is retained and taken over, so
-    // only the turn's new 512 tokens are indexed.
     let mut next_turn = context.clone();
     next_turn.extend((0..TURN).map(|_| rng.below(2000) as u32));
+    drafter_benches(
+        c,
+        "ngram",
+        IndexedNgramDrafter::default,
+        &context,
+        &next_turn,
+    );
+    drafter_benches(c, "suffix", SuffixDrafter::default, &context, &next_turn);
+}
+
+/// One drafter's first proposal for a 100k-token request, for an agent's next turn (the
+/// previous turn's index retained and taken over, so only its new 512 tokens are
+/// indexed), and its steady-state step.
+fn drafter_benches<D: Drafter>(
+    c: &mut Criterion,
+    name: &str,
+    new: fn() -> D,
+    context: &[u32],
+    next_turn: &[u32],
+) {
+    const DRAFT: usize = 4;
     c.bench_function(
-        "drafting, first proposal of a next turn (100k + 512 tokens)",
+        &format!("{name} drafting, first proposal of a 100k-token request"),
+        |b| {
+            // The drafter is returned, so that dropping it is not timed.
+            b.iter_batched(
+                new,
+                |mut d| (d.propose(0, context, DRAFT), d),
+                BatchSize::LargeInput,
+            )
+        },
+    );
+    let ended = || {
+        let mut d = new();
+        d.propose(0, context, DRAFT);
+        d.finished(0);
+        d
+    };
+    c.bench_function(
+        &format!("{name} drafting, first proposal of a next turn (100k + 512 tokens)"),
         |b| {
             b.iter_batched(
-                || {
-                    let mut d = IndexedNgramDrafter::default();
-                    d.propose(0, &context, DRAFT);
-                    d.finished(0);
-                    d
-                },
-                |mut d| d.propose(1, &next_turn, DRAFT),
+                ended,
+                |mut d| (d.propose(1, next_turn, DRAFT), d),
                 BatchSize::LargeInput,
             )
         },
     );
     // Steady state: each step the request grows by what the last one emitted (1 to
-    // DRAFT + 1 tokens) and drafts again.
-    let mut drafter = IndexedNgramDrafter::default();
-    let mut tokens = context.clone();
+    // DRAFT + 1 tokens) and drafts again; past WINDOW tokens it starts over (untimed).
+    let mut rng = Rng::new(9);
+    let (mut drafter, mut tokens) = (new(), context.to_vec());
     drafter.propose(0, &tokens, DRAFT);
     c.bench_function(
-        "drafting, one request's step at a 100k-token context",
+        &format!("{name} drafting, one request's step at a 100k-token context"),
         |b| {
-            b.iter(|| {
-                let emitted = 1 + rng.below(DRAFT + 1);
-                for _ in 0..emitted {
-                    tokens.push(rng.below(2000) as u32);
+            b.iter_custom(|iters| {
+                let mut timed = std::time::Duration::ZERO;
+                for _ in 0..iters {
+                    if tokens.len() > context.len() + WINDOW {
+                        (drafter, tokens) = (new(), context.to_vec());
+                        drafter.propose(0, &tokens, DRAFT);
+                    }
+                    let emitted = 1 + rng.below(DRAFT + 1);
+                    tokens.extend((0..emitted).map(|_| rng.below(2000) as u32));
+                    let start = std::time::Instant::now();
+                    std::hint::black_box(drafter.propose(0, &tokens, DRAFT));
+                    timed += start.elapsed();
                 }
-                drafter.propose(0, &tokens, DRAFT)
+                timed
             })
         },
     );

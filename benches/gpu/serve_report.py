@@ -49,8 +49,9 @@ def main(dirs):
     replot, cards = [], []
     for d in map(Path, dirs):
         rescale = 1.0
-        if (d / "copy.json").exists():
-            copy = json.loads((d / "copy.json").read_text())
+        copy_file = d / "copy.json"
+        if copy_file.exists() and copy_file.stat().st_size > 0:
+            copy = json.loads(copy_file.read_text())
             rescale = H200_COPY / copy["copy_bytes_per_s"]
             cards.append(f"{label(d)}: {copy['gpu']}, copy {copy['copy_bytes_per_s'] / 1e12:.2f} TB/s")
         forward = {}

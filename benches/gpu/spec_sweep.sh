@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Speculative decoding's speed at a given acceptance, measured through kiln serve at Kimi's
 # width: the synthetic model of serve_sweep.sh, one server per accept length in
-# simulated-acceptance mode (`--speculative simulate --simulated-accept-len L`: each
-# decoding request drafts DRAFT tokens, verification keeps enough to emit L a step on
-# average), and one with speculation off, each driven by kiln bench at every concurrency.
+# simulated-acceptance mode (`--speculative simulate --simulated-accept-len L`: decoding
+# requests draft up to DRAFT tokens, as POLICY sizes them, and verification keeps enough
+# to emit L a step on average when DRAFT are drafted), and one with speculation off, each
+# driven by kiln bench at every concurrency.
 # Run from the repo root on the GPU machine after `benches/gpu/run.sh build`:
 #
 #   benches/gpu/spec_sweep.sh LAYERS KV DRAFT "ACCEPT_LENGTHS" "CONCURRENCIES" SECONDS SCALE [POLICY]

@@ -75,7 +75,9 @@ pub struct ServeArgs {
     client_stall_timeout: f64,
     /// Speculative decoding: off, or ngram (prompt lookup: drafts copied from where the
     /// request's last tokens occurred before, verified in the next step; the output is
-    /// the same as without, greedy or sampled), or simulate (a benchmark mode: see
+    /// the same as without, greedy or sampled), suffix (the most frequent continuation of
+    /// the longest context matching the request's last tokens, in its own tokens and in
+    /// all requests' recent outputs; as lossless), or simulate (a benchmark mode: see
     /// --simulated-accept-len). Off above 16 decoding requests.
     #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
     speculative: SpeculativeArg,
@@ -88,11 +90,12 @@ pub struct ServeArgs {
     /// verification costs more than it earns), or fixed (always the most).
     #[arg(long, value_enum, default_value_t = DraftPolicyArg::Measured)]
     draft_policy: DraftPolicyArg,
-    /// Benchmarks only (as SGLang's SGLANG_SIMULATE_ACC_LEN): every decoding request drafts
-    /// --max-draft-tokens tokens and each verify step keeps enough of them at random to
-    /// emit LEN tokens on average, whatever the model says. Outputs are not the model's;
-    /// measures what speculation at that acceptance would give. Needs --speculative
-    /// simulate.
+    /// Benchmarks only (as SGLang's SGLANG_SIMULATE_ACC_LEN): decoding requests draft (all
+    /// --max-draft-tokens with --draft-policy fixed; what the policy gives otherwise) and
+    /// each verify step keeps enough drafted tokens at random to emit LEN tokens on
+    /// average, or all of a shorter draft, whatever the model says. Outputs are not the
+    /// model's; measures what speculation at that acceptance would give. Needs
+    /// --speculative simulate.
     #[arg(long, value_name = "LEN")]
     simulated_accept_len: Option<f64>,
 }
@@ -102,6 +105,9 @@ pub struct ServeArgs {
 enum SpeculativeArg {
     Off,
     Ngram,
+    /// Frequency-scored continuations of the longest matching context, from the request's
+    /// tokens and all requests' recent outputs.
+    Suffix,
     /// Simulated acceptance (--simulated-accept-len): a benchmark mode.
     Simulate,
 }
@@ -131,6 +137,7 @@ fn speculative(args: &ServeArgs) -> anyhow::Result<Option<SpecConfig>> {
     let drafter = match args.speculative {
         SpeculativeArg::Off => return Ok(None),
         SpeculativeArg::Ngram => DrafterKind::Ngram,
+        SpeculativeArg::Suffix => DrafterKind::Suffix,
         SpeculativeArg::Simulate => DrafterKind::Simulated,
     };
     Ok(Some(SpecConfig {

@@ -461,7 +461,20 @@ fn impossible_synthetic_cuts_fail_at_start_up_with_the_flag_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn speculative_decoding_over_http_gives_the_same_greedy_tokens() {
     let plain = Server::start(&[]);
-    let spec = Server::start(&["--speculative", "ngram", "--max-draft-tokens", "4"]);
+    // Drafting at every step (the measured policy would stop where verification on
+    // llvmpipe costs more than it earns): the most drafts to check.
+    let spec_args = |drafter| {
+        [
+            "--speculative",
+            drafter,
+            "--max-draft-tokens",
+            "4",
+            "--draft-policy",
+            "fixed",
+        ]
+    };
+    let spec = Server::start(&spec_args("ngram"));
+    let suffix = Server::start(&spec_args("suffix"));
     let prompts: Vec<Vec<u32>> = (0..12u32)
         .map(|i| match i % 3 {
             0 => (0..30).map(|t| 5 + (t + i) % 6).collect(),
@@ -486,12 +499,19 @@ async fn speculative_decoding_over_http_gives_the_same_greedy_tokens() {
             futures_util::future::join_all(calls).await
         }
     };
-    let (a, b) = tokio::join!(run(plain.url.clone()), run(spec.url.clone()));
-    for (i, ((sa, ra), (sb, rb))) in a.iter().zip(&b).enumerate() {
-        assert_eq!((*sa, *sb), (200, 200), "{ra} {rb}");
-        assert_eq!(ra["output_ids"], rb["output_ids"], "prompt {i}");
+    let (a, b, c) = tokio::join!(
+        run(plain.url.clone()),
+        run(spec.url.clone()),
+        run(suffix.url.clone())
+    );
+    for (i, (((sa, ra), (sb, rb)), (sc, rc))) in a.iter().zip(&b).zip(&c).enumerate() {
+        assert_eq!((*sa, *sb, *sc), (200, 200, 200), "{ra} {rb} {rc}");
+        assert_eq!(ra["output_ids"], rb["output_ids"], "prompt {i}, ngram");
+        assert_eq!(ra["output_ids"], rc["output_ids"], "prompt {i}, suffix");
     }
     assert!(spec.metric("kiln_spec_drafted_tokens_total") > 0.0);
+    assert!(suffix.metric("kiln_spec_drafted_tokens_total") > 0.0);
+    assert!(suffix.metric("kiln_spec_drafter_bytes") > 0.0);
     let accepted = spec.metric("kiln_spec_accepted_tokens_total");
     let verified: u64 = b
         .iter()

@@ -252,6 +252,9 @@ impl Scheduler {
             }
         }
         drafts.truncate(self.running.len());
+        if let Some(d) = &self.drafter {
+            self.metrics.spec_drafter_bytes.set(d.memory_bytes() as f64);
+        }
         // A paused request keeps its pages but not its slot in the batch.
         let active =
             |running: &[Request]| running.iter().filter(|r| r.stalled_since.is_none()).count();
@@ -296,7 +299,7 @@ impl Scheduler {
     /// Most tokens each running request drafts this step: none unless it decodes; else
     /// its limits ([`draft_len`] within the whole step's budget) and, within them, what
     /// the draft policy gives it (nothing in a step that measures the plain step again).
-    fn draft_limits(&self, decoding: usize, now: Instant) -> Vec<usize> {
+    fn draft_limits(&mut self, decoding: usize, now: Instant) -> Vec<usize> {
         let mut limits = vec![0; self.running.len()];
         let Some(spec) = self.cfg.speculative else {
             return limits;
@@ -314,7 +317,7 @@ impl Scheduler {
         let b = decodes.len();
         let given = match spec.policy {
             DraftPolicy::Fixed => most,
-            DraftPolicy::Measured if self.costs.plain_due(b, now) => vec![0; b],
+            DraftPolicy::Measured if self.costs.probe_plain(b, now) => vec![0; b],
             DraftPolicy::Measured => {
                 let gains: Vec<Vec<f64>> = decodes
                     .iter()

@@ -12,17 +12,28 @@
 //!   (their latest end), extended by the tokens appended since its last proposal (never
 //!   rebuilt) and dropped when the request ends: constant work per token instead of a scan
 //!   of a 100k-token history per step. What `--speculative ngram` runs.
+//! - [`SuffixDrafter`]: frequency-scored continuations of the longest matching context, in
+//!   the request's own tokens and in all requests' recent outputs ([`suffix`]). What
+//!   `--speculative suffix` runs.
 //! - [`SimulatedDrafter`] with [`SpecConfig::simulated_accept_len`]: a benchmark mode, as
-//!   SGLang's `SGLANG_SIMULATE_ACC_LEN`: every decoding request drafts the most it may and
-//!   verification keeps as many drafted tokens as give the set mean accept length
+//!   SGLang's `SGLANG_SIMULATE_ACC_LEN`: every decoding request drafts what the draft
+//!   policy gives it (the most it may under [`DraftPolicy::Fixed`]) and verification keeps
+//!   as many drafted tokens as give the set mean accept length, or all of a shorter draft
 //!   ([`simulated_accepts`]), so the cost of speculation at a given acceptance is measured
 //!   on any model (a synthetic one's outputs match no drafter). Outputs are not the model's.
 //! - [`draft_len`]: how many tokens a request may draft in a step (its limits), and
 //!   [`policy`]: how many it does, from measured verification cost and acceptance.
 
+mod handoff;
 pub mod policy;
+mod suffix;
 
+use std::collections::HashMap;
+
+pub use handoff::RETAINED_INDEXES;
+use handoff::{Handoff, Indexed};
 pub use policy::DraftPolicy;
+pub use suffix::SuffixDrafter;
 
 /// Longest suffix the n-gram drafter matches.
 pub const NGRAM_MAX: usize = 4;
@@ -40,6 +51,10 @@ pub trait Drafter: Send {
     fn accepted(&mut self, _id: u64, _drafted: usize, _accepted: usize) {}
     /// Request `id` ended: forget it.
     fn finished(&mut self, _id: u64) {}
+    /// Host memory the drafter holds, about (reported in `/metrics`).
+    fn memory_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// Prompt lookup: see the module docs.
@@ -71,87 +86,37 @@ fn gram(tokens: &[u32]) -> Gram {
 }
 
 /// One request's index: the latest end of each n-gram among its first `indexed` ends.
-#[derive(Debug, Default)]
-struct GramIndex {
-    /// Ends `1..=indexed` are in `latest`.
-    indexed: usize,
-    /// [`prefix_hash`] of the tokens before `indexed`: whose tokens the index holds.
-    hash: u64,
-    latest: std::collections::HashMap<Gram, usize>,
-}
-
-/// A rolling hash of tokens, extended one token at a time.
-fn prefix_hash(hash: u64, token: u32) -> u64 {
-    hash.wrapping_mul(0x100_0000_01b3)
-        .wrapping_add(u64::from(token) + 1)
-}
-
-/// Indexes of ended requests the drafter keeps for the requests that extend them.
-pub const RETAINED_INDEXES: usize = 8;
+type GramIndex = Indexed<HashMap<Gram, usize>>;
 
 /// Prompt lookup from an incremental index: see the module docs. An ended request's index
-/// is kept (the latest [`RETAINED_INDEXES`]) and taken over by a new request whose tokens
-/// begin with the ones it indexed: an agent's next turn re-sends the whole history, and
-/// indexing 100k tokens again would hold the engine for tens of milliseconds. The match is
-/// by a 64-bit hash; a false match could only cost acceptance, never output, since every
-/// draft is verified.
+/// passes to the next request that extends its tokens ([`handoff`]).
 #[derive(Debug, Default)]
 pub struct IndexedNgramDrafter {
-    requests: std::collections::HashMap<u64, GramIndex>,
-    retained: std::collections::VecDeque<GramIndex>,
-}
-
-impl IndexedNgramDrafter {
-    /// The retained index of the longest prefix of `tokens` (short of the last token), if
-    /// any, taken out of the retained ones.
-    fn take_over(&mut self, tokens: &[u32]) -> Option<GramIndex> {
-        let usable = tokens.len().saturating_sub(1);
-        let longest = self
-            .retained
-            .iter()
-            .map(|r| r.indexed)
-            .filter(|&n| n <= usable)
-            .max()?;
-        let mut hash = 0;
-        let mut best = None;
-        for (i, &t) in tokens[..longest].iter().enumerate() {
-            hash = prefix_hash(hash, t);
-            if let Some(at) = self
-                .retained
-                .iter()
-                .position(|r| r.indexed == i + 1 && r.hash == hash)
-            {
-                best = Some(at);
-            }
-        }
-        best.and_then(|at| self.retained.remove(at))
-    }
+    requests: HashMap<u64, GramIndex>,
+    retained: Handoff<HashMap<Gram, usize>>,
 }
 
 impl Drafter for IndexedNgramDrafter {
     fn propose(&mut self, id: u64, tokens: &[u32], max: usize) -> Vec<u32> {
         let len = tokens.len();
-        if !self.requests.contains_key(&id) {
-            let index = self.take_over(tokens).unwrap_or_default();
-            self.requests.insert(id, index);
-        }
-        let index = self.requests.get_mut(&id).expect("inserted above");
+        let retained = &mut self.retained;
+        let index = self
+            .requests
+            .entry(id)
+            .or_insert_with(|| retained.take(tokens).unwrap_or_default());
         if index.indexed > len {
             *index = GramIndex::default(); // not this request's tokens: start over
         }
         // Every end before the current one: an occurrence with a continuation.
         for end in index.indexed + 1..len {
             for n in NGRAM_MIN..=NGRAM_MAX.min(end) {
-                index.latest.insert(gram(&tokens[end - n..end]), end);
+                index.data.insert(gram(&tokens[end - n..end]), end);
             }
         }
-        let indexed = index.indexed.max(len.saturating_sub(1));
-        for &t in &tokens[index.indexed..indexed] {
-            index.hash = prefix_hash(index.hash, t);
-        }
-        index.indexed = indexed;
+        let to = index.indexed.max(len.saturating_sub(1));
+        index.advance_to(tokens, to);
         for n in (NGRAM_MIN..=NGRAM_MAX.min(len.saturating_sub(1))).rev() {
-            if let Some(&end) = index.latest.get(&gram(&tokens[len - n..])) {
+            if let Some(&end) = index.data.get(&gram(&tokens[len - n..])) {
                 return tokens[end..(end + max).min(len)].to_vec();
             }
         }
@@ -160,11 +125,14 @@ impl Drafter for IndexedNgramDrafter {
 
     fn finished(&mut self, id: u64) {
         if let Some(index) = self.requests.remove(&id) {
-            if self.retained.len() == RETAINED_INDEXES {
-                self.retained.pop_front();
-            }
-            self.retained.push_back(index);
+            self.retained.keep(index);
         }
+    }
+
+    fn memory_bytes(&self) -> usize {
+        let entry = std::mem::size_of::<(Gram, usize)>();
+        let indexes = self.requests.values().chain(self.retained.iter());
+        indexes.map(|i| i.data.capacity() * entry).sum()
     }
 }
 
@@ -184,6 +152,8 @@ impl Drafter for SimulatedDrafter {
 pub enum DrafterKind {
     /// Prompt lookup ([`IndexedNgramDrafter`]).
     Ngram,
+    /// Frequency-scored continuations of the longest matching context ([`SuffixDrafter`]).
+    Suffix,
     /// Full-length drafts for simulated acceptance ([`SimulatedDrafter`]).
     Simulated,
 }
@@ -192,6 +162,7 @@ impl DrafterKind {
     pub fn build(self) -> Box<dyn Drafter> {
         match self {
             DrafterKind::Ngram => Box::new(IndexedNgramDrafter::default()),
+            DrafterKind::Suffix => Box::new(SuffixDrafter::default()),
             DrafterKind::Simulated => Box::new(SimulatedDrafter),
         }
     }
@@ -289,24 +260,25 @@ mod tests {
         let mut d = IndexedNgramDrafter::default();
         d.propose(1, &turn, 4);
         d.finished(1);
-        assert_eq!(d.retained.len(), 1);
+        assert_eq!(d.retained.iter().count(), 1);
         // Another history: not taken.
         let mut other = turn.clone();
         other[10] = 99;
         d.propose(2, &other, 4);
-        assert_eq!(d.retained.len(), 1);
+        assert_eq!(d.retained.iter().count(), 1);
         // The next turn: the whole history and more.
         let mut next = turn.clone();
         next.extend([5, 6, 7]);
         assert_eq!(d.propose(3, &next, 4), NgramDrafter.propose(3, &next, 4));
-        assert!(d.retained.is_empty(), "taken over");
+        assert_eq!(d.retained.iter().count(), 0, "taken over");
         for id in 10..10 + RETAINED_INDEXES as u64 + 3 {
             let mut own = turn.clone();
             own[0] = 100 + id as u32; // histories of their own: none taken over
             d.propose(id, &own, 4);
             d.finished(id);
         }
-        assert_eq!(d.retained.len(), RETAINED_INDEXES, "bounded");
+        assert_eq!(d.retained.iter().count(), RETAINED_INDEXES, "bounded");
+        assert!(d.memory_bytes() > RETAINED_INDEXES * 1000, "and reported");
     }
 
     #[test]

@@ -26,8 +26,10 @@ pub enum DraftPolicy {
 /// Speculate only for a predicted speed-up of at least this (estimates are noisy, and a
 /// wrong guess costs speed).
 pub const MIN_GAIN: f64 = 1.05;
-/// Weight of the newest verification in an acceptance estimate's running means.
+/// Weight of the newest verification in one request's acceptance estimate.
 const WEIGHT: f64 = 0.2;
+/// Weight of the newest verification in all requests' estimate (about the latest 50).
+const ALL_WEIGHT: f64 = 0.02;
 /// A step time is the median of the latest this many of its size: one slow step (a kernel
 /// compiled on first use, a host hiccup) does not set it.
 const RECENT_STEPS: usize = 5;
@@ -36,8 +38,9 @@ const RECENT_STEPS: usize = 5;
 pub const REFRESH: Duration = Duration::from_secs(2);
 
 /// A request's estimates lean on all requests' lately, never taken as under a rate of this
-/// per token: where drafting is cheap, a request still tries a short draft, so acceptance
-/// that returns is noticed.
+/// per token: where drafting is cheap, a request with no verifications of its own still
+/// tries a short draft, so acceptance that returns is noticed. (A request whose own drafts
+/// failed keeps its low estimate while it drafts nothing.)
 pub const EXPLORE_RATE: f64 = 0.15;
 /// Deepest draft position tracked; the policy drafts no deeper.
 pub const MAX_DEPTH: usize = 32;
@@ -52,23 +55,29 @@ const PRIOR_WEIGHT: f64 = 2.0;
 pub struct Acceptance {
     tried: [f64; MAX_DEPTH],
     passed: [f64; MAX_DEPTH],
+    /// Weight of the newest verification.
+    weight: f64,
 }
 
 impl Default for Acceptance {
-    /// No verifications yet.
+    /// One request's, with no verifications yet.
     fn default() -> Self {
         Acceptance {
             tried: [0.0; MAX_DEPTH],
             passed: [0.0; MAX_DEPTH],
+            weight: WEIGHT,
         }
     }
 }
 
 impl Acceptance {
-    /// As if [`PRIOR_WEIGHT`] verifications had accepted each drafted token with
-    /// probability `rate`: where all requests' estimates start.
+    /// All requests', as if [`PRIOR_WEIGHT`] verifications had accepted each drafted
+    /// token with probability `rate`.
     pub fn geometric(rate: f64) -> Self {
-        let mut a = Acceptance::default();
+        let mut a = Acceptance {
+            weight: ALL_WEIGHT,
+            ..Acceptance::default()
+        };
         for j in 0..MAX_DEPTH {
             a.tried[j] = PRIOR_WEIGHT;
             a.passed[j] = PRIOR_WEIGHT * rate.powi(j as i32 + 1);
@@ -76,11 +85,11 @@ impl Acceptance {
         a
     }
 
-    /// Verification kept `accepted` of `drafted` tokens.
+    /// Verification kept `accepted` of `drafted` tokens: news of the drafted depths only.
     pub fn record(&mut self, drafted: usize, accepted: usize) {
-        let keep = 1.0 - WEIGHT;
-        for j in 0..MAX_DEPTH {
-            self.tried[j] = self.tried[j] * keep + f64::from(u8::from(j < drafted));
+        let keep = 1.0 - self.weight;
+        for j in 0..drafted.min(MAX_DEPTH) {
+            self.tried[j] = self.tried[j] * keep + 1.0;
             self.passed[j] = self.passed[j] * keep + f64::from(u8::from(j < accepted));
         }
     }
@@ -111,6 +120,8 @@ impl Acceptance {
 #[derive(Debug, Default)]
 pub struct StepCosts {
     seconds: BTreeMap<(usize, usize), (VecDeque<f64>, Instant)>,
+    /// When a plain step was last asked for, by batch.
+    probes: BTreeMap<usize, Instant>,
 }
 
 impl StepCosts {
@@ -132,19 +143,29 @@ impl StepCosts {
         *at = now;
     }
 
-    /// Whether a plain step of `requests` decoding requests is due: never measured, or
-    /// not since [`REFRESH`] before `now`.
-    pub fn plain_due(&self, requests: usize, now: Instant) -> bool {
-        self.seconds
+    /// Whether the step about to run at `requests` decoding requests should be a plain one
+    /// (no drafts), to measure the plain step again: its time is missing or older than
+    /// [`REFRESH`], and no such probe was asked for at this batch within [`REFRESH`] (a
+    /// step that also prefills is not measured, so a probe may miss; drafting goes on
+    /// meanwhile).
+    pub fn probe_plain(&mut self, requests: usize, now: Instant) -> bool {
+        let stale = |at: &Instant| now.duration_since(*at) >= REFRESH;
+        let due = self
+            .seconds
             .get(&(requests, requests))
-            .is_none_or(|(_, at)| now.duration_since(*at) >= REFRESH)
+            .is_none_or(|(_, at)| stale(at));
+        let probed = self.probes.get(&requests).is_some_and(|at| !stale(at));
+        if due && !probed {
+            self.probes.insert(requests, now);
+        }
+        due && !probed
     }
 
     /// Seconds of a step of `requests` decoding requests running `rows` tokens: measured;
     /// else interpolated between the nearest measured row counts of that batch; else,
     /// past the largest measured, extrapolated along the line through the two largest
-    /// (never under the largest's time), or, with only one measured, its time (optimistic, so that drafting at this batch is
-    /// tried once and its cost then known). `None` before any step of that batch was
+    /// (never under the largest's time), or, with only one measured, its time
+    /// (optimistic, so that drafting at this batch is tried once and its cost then known). `None` before any step of that batch was
     /// measured at or under `rows`.
     pub fn estimate(&self, requests: usize, rows: usize) -> Option<f64> {
         let batch = self.seconds.range((requests, 0)..=(requests, usize::MAX));
@@ -281,7 +302,8 @@ mod tests {
     fn a_step_time_is_the_median_of_its_latest_and_plain_steps_are_refreshed() {
         let mut c = StepCosts::default();
         let t0 = Instant::now();
-        assert!(c.plain_due(4, t0), "never measured");
+        assert!(c.probe_plain(4, t0), "never measured");
+        assert!(!c.probe_plain(4, t0), "asked for already");
         // A first step that compiled kernels, then ordinary ones.
         for s in [2.5, 0.010, 0.012, 0.011] {
             c.observe_at(4, 4, s, t0);
@@ -291,13 +313,13 @@ mod tests {
             c.observe_at(4, 4, s, t0);
         }
         assert_eq!(c.estimate(4, 4), Some(0.020), "only the latest count");
-        assert!(!c.plain_due(4, t0 + REFRESH / 2));
-        assert!(c.plain_due(4, t0 + REFRESH));
+        assert!(!c.probe_plain(4, t0 + REFRESH / 2));
         c.observe_at(4, 12, 0.030, t0 + REFRESH);
         assert!(
-            c.plain_due(4, t0 + REFRESH),
-            "a step with drafts is not a plain one"
+            c.probe_plain(4, t0 + REFRESH),
+            "stale: a step with drafts is not a plain one"
         );
+        assert!(!c.probe_plain(4, t0 + REFRESH), "once per REFRESH");
     }
 
     #[test]
@@ -329,7 +351,7 @@ mod tests {
     #[test]
     fn a_request_leans_on_all_requests_acceptance_floored_to_explore() {
         let mut all = Acceptance::geometric(0.5);
-        for _ in 0..60 {
+        for _ in 0..400 {
             all.record(4, 4);
         }
         let new = Acceptance::default();
@@ -339,7 +361,7 @@ mod tests {
         let mut unlucky = Acceptance::default();
         unlucky.record(4, 0);
         assert!(unlucky.gains(&all, 1)[0] > 0.6);
-        for _ in 0..60 {
+        for _ in 0..400 {
             all.record(4, 0);
         }
         let g = new.gains(&all, 2);
