@@ -88,6 +88,10 @@ fn gram(tokens: &[u32]) -> Gram {
 /// One request's index: the latest end of each n-gram among its first `indexed` ends.
 type GramIndex = Indexed<HashMap<Gram, usize>>;
 
+fn gram_index_bytes(index: &GramIndex) -> usize {
+    index.data.capacity() * std::mem::size_of::<(Gram, usize)>()
+}
+
 /// Prompt lookup from an incremental index: see the module docs. An ended request's index
 /// passes to the next request that extends its tokens ([`handoff`]).
 #[derive(Debug, Default)]
@@ -125,14 +129,14 @@ impl Drafter for IndexedNgramDrafter {
 
     fn finished(&mut self, id: u64) {
         if let Some(index) = self.requests.remove(&id) {
-            self.retained.keep(index);
+            let bytes = gram_index_bytes(&index);
+            self.retained.keep(index, bytes);
         }
     }
 
     fn memory_bytes(&self) -> usize {
-        let entry = std::mem::size_of::<(Gram, usize)>();
         let indexes = self.requests.values().chain(self.retained.iter());
-        indexes.map(|i| i.data.capacity() * entry).sum()
+        indexes.map(gram_index_bytes).sum()
     }
 }
 

@@ -171,7 +171,8 @@ impl Drafter for SuffixDrafter {
             self.global[1] = std::mem::take(&mut self.global[0]);
         }
         index(&mut self.global[0], &r.output, 0, r.output.len());
-        self.retained.keep(r.table);
+        let bytes = table_bytes(&r.table.data);
+        self.retained.keep(r.table, bytes);
     }
 
     fn memory_bytes(&self) -> usize {
