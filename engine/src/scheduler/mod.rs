@@ -330,6 +330,11 @@ impl Scheduler {
         };
         for (i, n) in decodes.into_iter().zip(given) {
             limits[i] = n;
+            if n == 0 {
+                // No news of its drafts this step: its own estimate fades toward all
+                // requests', so acceptance that returns can be tried again.
+                self.running[i].acceptance.fade();
+            }
         }
         limits
     }

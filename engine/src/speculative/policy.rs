@@ -30,6 +30,9 @@ pub const MIN_GAIN: f64 = 1.05;
 const WEIGHT: f64 = 0.2;
 /// Weight of the newest verification in all requests' estimate (about the latest 50).
 const ALL_WEIGHT: f64 = 0.02;
+/// What a request's own evidence keeps of itself over a step in which it drafts nothing
+/// (half of it fades in about 70 such steps).
+const FADE_KEEP: f64 = 0.99;
 /// A step time is the median of the latest this many of its size: one slow step (a kernel
 /// compiled on first use, a host hiccup) does not set it.
 const RECENT_STEPS: usize = 5;
@@ -39,8 +42,9 @@ pub const REFRESH: Duration = Duration::from_secs(2);
 
 /// A request's estimates lean on all requests' lately, never taken as under a rate of this
 /// per token: where drafting is cheap, a request with no verifications of its own still
-/// tries a short draft, so acceptance that returns is noticed. (A request whose own drafts
-/// failed keeps its low estimate while it drafts nothing.)
+/// tries a short draft, so acceptance that returns is noticed; a request whose own drafts
+/// failed drifts back toward all requests' estimate while it drafts nothing
+/// ([`Acceptance::fade`]).
 pub const EXPLORE_RATE: f64 = 0.15;
 /// Deepest draft position tracked; the policy drafts no deeper.
 pub const MAX_DEPTH: usize = 32;
@@ -91,6 +95,14 @@ impl Acceptance {
         for j in 0..drafted.min(MAX_DEPTH) {
             self.tried[j] = self.tried[j] * keep + 1.0;
             self.passed[j] = self.passed[j] * keep + f64::from(u8::from(j < accepted));
+        }
+    }
+
+    /// A step without drafts: the evidence fades a little (see [`FADE_KEEP`]).
+    pub fn fade(&mut self) {
+        for j in 0..MAX_DEPTH {
+            self.tried[j] *= FADE_KEEP;
+            self.passed[j] *= FADE_KEEP;
         }
     }
 
@@ -366,6 +378,25 @@ mod tests {
         }
         let g = new.gains(&all, 2);
         assert!((g[0] - EXPLORE_RATE).abs() < 1e-6, "{g:?}");
+        // A request whose drafts failed, while it drafts nothing, drifts back toward
+        // all requests' estimate.
+        let mut failed = Acceptance::default();
+        for _ in 0..20 {
+            failed.record(4, 0);
+        }
+        let mut good = Acceptance::geometric(0.9);
+        for _ in 0..400 {
+            good.record(4, 4);
+        }
+        assert!(failed.gains(&good, 1)[0] < 0.3);
+        for _ in 0..500 {
+            failed.fade();
+        }
+        assert!(
+            failed.gains(&good, 1)[0] > 0.8,
+            "{:?}",
+            failed.gains(&good, 1)
+        );
         // A request's own verifications soon outweigh all requests'.
         let mut own = Acceptance::default();
         for _ in 0..10 {
