@@ -10,6 +10,10 @@
 //! Invariants of a batch: query `i` (0-based within its request's `q_len` tokens) of
 //! request `b` sits at position `kv_lens[b] - q_lens[b] + i` and sees kv positions
 //! `0..=` that position (causal; with `q_len == 1` that is the whole context, decode).
+//! A request may end in a draft tree (speculative decoding): its last `parents.len()`
+//! queries are the tree's nodes, node `k` at position `start + k` with `start = kv_len -
+//! parents.len()`, and node `k` sees the positions before `start` and its own ancestors
+//! (itself included, [`crate::tree::tree_mask`]) instead of everything up to itself.
 //! Position `p` lives in row `block_tables[b][p / page_size] * page_size + p % page_size`.
 //!
 //! Follows DeepSeek-V3's `inference/model.py` (`attn_impl = "absorb"`) and FlashMLA's
@@ -64,6 +68,10 @@ pub enum MlaError {
     },
     /// The cache's row buffer does not hold `num_pages * page_size` rows.
     CacheSizeMismatch { expected: usize, got: usize },
+    /// `trees` is neither empty nor one entry per request.
+    TreeCountMismatch { trees: usize, requests: usize },
+    /// A request's draft tree is malformed or longer than its queries.
+    BadTree { request: usize, reason: String },
 }
 
 impl fmt::Display for MlaError {
@@ -107,6 +115,12 @@ impl fmt::Display for MlaError {
             }
             Self::CacheSizeMismatch { expected, got } => {
                 write!(f, "cache holds {got} values, expected {expected}")
+            }
+            Self::TreeCountMismatch { trees, requests } => {
+                write!(f, "{trees} draft trees for {requests} requests")
+            }
+            Self::BadTree { request, reason } => {
+                write!(f, "request {request}: draft tree {reason}")
             }
         }
     }
@@ -155,7 +169,7 @@ impl PagedKv {
 }
 
 /// Per-request shape of an attention batch.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct AttnBatch {
     /// New (query) tokens per request; their queries are laid out request after request.
     pub q_lens: Vec<usize>,
@@ -163,6 +177,9 @@ pub struct AttnBatch {
     pub kv_lens: Vec<usize>,
     /// Page ids per request, in position order.
     pub block_tables: Vec<Vec<u32>>,
+    /// Per request, the parents of a draft tree over its last queries (`None`: causal);
+    /// empty: every request causal.
+    pub trees: Vec<Option<Vec<i32>>>,
 }
 
 impl AttnBatch {
@@ -182,6 +199,12 @@ impl AttnBatch {
             });
         }
         let n = self.q_lens.len();
+        if !(self.trees.is_empty() || self.trees.len() == n) {
+            return Err(MlaError::TreeCountMismatch {
+                trees: self.trees.len(),
+                requests: n,
+            });
+        }
         if self.kv_lens.len() != n || self.block_tables.len() != n {
             return Err(MlaError::RequestCountMismatch {
                 q_lens: n,
@@ -214,6 +237,22 @@ impl AttnBatch {
                     needed,
                 });
             }
+            if let Some(Some(parents)) = self.trees.get(request) {
+                let tree = crate::tree::Tree {
+                    parents: parents.clone(),
+                    tokens: vec![0; parents.len()],
+                };
+                let reason = match tree.validate() {
+                    Err(e) => Some(e.to_string()),
+                    Ok(()) if parents.len() > q_len => {
+                        Some(format!("has {} nodes for {q_len} queries", parents.len()))
+                    }
+                    Ok(()) => None,
+                };
+                if let Some(reason) = reason {
+                    return Err(MlaError::BadTree { request, reason });
+                }
+            }
             if let Some(&page) = table[..needed]
                 .iter()
                 .find(|&&p| p as usize >= kv.num_pages)
@@ -226,6 +265,24 @@ impl AttnBatch {
             }
         }
         Ok(())
+    }
+
+    /// Positions that query `i` of request `b` attends to, in order.
+    pub fn visible_positions(&self, b: usize, i: usize) -> Vec<usize> {
+        let (q_len, kv_len) = (self.q_lens[b], self.kv_lens[b]);
+        let pos = kv_len - q_len + i;
+        match self.trees.get(b) {
+            Some(Some(parents)) if q_len - i <= parents.len() => {
+                let n = parents.len();
+                let start = kv_len - n;
+                let node = pos - start;
+                let mask = crate::tree::tree_mask(parents);
+                (0..start)
+                    .chain((0..n).filter(|&j| mask[node * n + j]).map(|j| start + j))
+                    .collect()
+            }
+            _ => (0..=pos).collect(),
+        }
     }
 
     /// Cache row of position `p` of request `b`.
@@ -271,10 +328,11 @@ pub fn mla_attention(
         score_magnitude: Vec::with_capacity(tokens * heads),
     };
     let mut t = 0;
-    for (b, (&q_len, &kv_len)) in batch.q_lens.iter().zip(&batch.kv_lens).enumerate() {
+    for (b, &q_len) in batch.q_lens.iter().enumerate() {
         for i in 0..q_len {
-            let pos = kv_len - q_len + i;
-            let visible: Vec<&[f32]> = (0..=pos)
+            let visible: Vec<&[f32]> = batch
+                .visible_positions(b, i)
+                .into_iter()
                 .map(|p| kv.row(batch.row_of(b, p, kv.page_size)))
                 .collect();
             let value_mag = visible

@@ -94,6 +94,7 @@ fn single_visible_row_returns_its_latent() {
         q_lens: vec![1],
         kv_lens: vec![1],
         block_tables: vec![vec![1]],
+        trees: Vec::new(),
     };
     let q = normal_with_outliers(&mut rng, 2 * KV_DIM, 1.0);
     let res = mla_attention(&q, 2, &kv, &batch, 0.1);
@@ -119,6 +120,7 @@ fn equal_scores_average_the_values() {
         q_lens: vec![1],
         kv_lens: vec![2],
         block_tables: vec![vec![0]],
+        trees: Vec::new(),
     };
     let q = vec![0.0f32; KV_DIM]; // all scores zero
     let res = mla_attention(&q, 1, &kv, &batch, 1.0);
@@ -145,9 +147,11 @@ fn paging_does_not_change_the_result() {
         q_lens: vec![3],
         kv_lens: vec![7],
         block_tables: vec![vec![0, 1, 2, 3]],
+        trees: Vec::new(),
     };
     let b = AttnBatch {
         block_tables: vec![order.iter().map(|&p| p as u32).collect()],
+        trees: Vec::new(),
         ..a.clone()
     };
     assert_eq!(
@@ -165,6 +169,7 @@ fn prefill_is_causal() {
         q_lens: vec![3],
         kv_lens: vec![3],
         block_tables: vec![vec![0]],
+        trees: Vec::new(),
     };
     let q = normal_with_outliers(&mut rng, 3 * KV_DIM, 1.0);
     let res = mla_attention(&q, 1, &kv, &batch, 0.1);
@@ -190,6 +195,7 @@ fn validate_reports_each_problem() {
         q_lens: vec![1, 2],
         kv_lens: vec![5, 2],
         block_tables: vec![vec![1, 0], vec![1]],
+        trees: Vec::new(),
     };
     assert_eq!(ok.validate(&kv), Ok(()));
     assert_eq!(ok.num_tokens(), 3);
@@ -226,12 +232,92 @@ fn validate_reports_each_problem() {
             num_pages: 2
         })
     );
+    let mut b = ok.clone();
+    b.trees = vec![None];
+    assert_eq!(
+        b.validate(&kv),
+        Err(MlaError::TreeCountMismatch {
+            trees: 1,
+            requests: 2
+        })
+    );
+    let mut b = ok.clone();
+    b.trees = vec![None, Some(vec![-1, 0, 1])];
+    assert!(matches!(
+        b.validate(&kv),
+        Err(MlaError::BadTree { request: 1, .. })
+    ));
+    let mut b = ok.clone();
+    b.trees = vec![None, Some(vec![-1, 1])];
+    assert!(matches!(
+        b.validate(&kv),
+        Err(MlaError::BadTree { request: 1, .. })
+    ));
     let mut b = ok;
     b.kv_lens.pop();
     assert!(matches!(
         b.validate(&kv),
         Err(MlaError::RequestCountMismatch { .. })
     ));
+}
+
+/// A tree node attends exactly as a lone query over the rows before the tree followed by
+/// its ancestors' rows (the path it would have as a chain); a chain tree is causal.
+#[test]
+fn tree_nodes_attend_as_their_paths() {
+    let mut rng = Rng::new(9);
+    let kv = cache(&mut rng, 4, 4);
+    // 3 queries before the tree, then a 6-node tree: 0 -> {1, 2}, 1 -> 3, 2 -> {4, 5}.
+    let parents = vec![-1, 0, 0, 1, 2, 2];
+    let (q_len, kv_len) = (9, 13);
+    let table = vec![3, 1, 0, 2];
+    let batch = AttnBatch {
+        q_lens: vec![q_len],
+        kv_lens: vec![kv_len],
+        block_tables: vec![table.clone()],
+        trees: vec![Some(parents.clone())],
+    };
+    let heads = 2;
+    let q = normal_with_outliers(&mut rng, q_len * heads * KV_DIM, 1.0);
+    let res = mla_attention(&q, heads, &kv, &batch, 0.1);
+    let start = kv_len - parents.len();
+    let paths: [&[usize]; 6] = [&[0], &[0, 1], &[0, 2], &[0, 1, 3], &[0, 2, 4], &[0, 2, 5]];
+    for (node, path) in paths.iter().enumerate() {
+        let positions: Vec<usize> = (0..start).chain(path.iter().map(|&j| start + j)).collect();
+        assert_eq!(batch.visible_positions(0, q_len - parents.len() + node), positions);
+        let mut rows = Vec::new();
+        for &p in &positions {
+            rows.extend_from_slice(kv.row(batch.row_of(0, p, 4)));
+        }
+        let alone = PagedKv {
+            page_size: positions.len(),
+            num_pages: 1,
+            rows,
+        };
+        let lone = AttnBatch {
+            q_lens: vec![1],
+            kv_lens: vec![positions.len()],
+            block_tables: vec![vec![0]],
+            trees: Vec::new(),
+        };
+        let t = q_len - parents.len() + node;
+        let qt = &q[t * heads * KV_DIM..(t + 1) * heads * KV_DIM];
+        let want = mla_attention(qt, heads, &alone, &lone, 0.1);
+        let got = &res.out[t * heads * KV_LORA_RANK..(t + 1) * heads * KV_LORA_RANK];
+        assert_eq!(got, &want.out[..]);
+    }
+    let chain = AttnBatch {
+        trees: vec![Some(vec![-1, 0, 1, 2])],
+        ..batch.clone()
+    };
+    let causal = AttnBatch {
+        trees: vec![None],
+        ..batch
+    };
+    assert_eq!(
+        mla_attention(&q, heads, &kv, &chain, 0.1),
+        mla_attention(&q, heads, &kv, &causal, 0.1)
+    );
 }
 
 #[test]

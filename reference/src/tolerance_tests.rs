@@ -118,6 +118,7 @@ fn flash_attention_within_bound(block: usize, operand: fn(f32) -> f32, operands:
         q_lens: vec![2],
         kv_lens: vec![kv_len],
         block_tables: vec![table],
+        trees: Vec::new(),
     };
     let q = normal_with_outliers(&mut rng, 2 * KV_DIM, 0.5);
     let scale = 0.05f32;

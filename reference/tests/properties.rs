@@ -176,7 +176,7 @@ proptest! {
         let rows = normal_with_outliers(&mut rng, num_pages * page_size * KV_DIM, 1.0);
         let kv = PagedKv { page_size, num_pages, rows };
         let table: Vec<u32> = (0..num_pages as u32).rev().collect();
-        let batch = AttnBatch { q_lens: vec![q_len, 1], kv_lens: vec![kv_len, 1], block_tables: vec![table.clone(), table] };
+        let batch = AttnBatch { q_lens: vec![q_len, 1], kv_lens: vec![kv_len, 1], block_tables: vec![table.clone(), table], trees: Vec::new() };
         let q = normal_with_outliers(&mut rng, (q_len + 1) * heads * KV_DIM, 0.1);
         let res = mla_attention(&q, heads, &kv, &batch, 0.06);
         prop_assert_eq!(res.out.len(), (q_len + 1) * heads * KV_LORA_RANK);

@@ -47,6 +47,7 @@ pub fn realistic_cases() -> Vec<Case> {
             mode,
             seed,
             huge_tile: false,
+            tree: false,
         })
     };
     vec![

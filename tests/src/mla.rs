@@ -6,7 +6,7 @@
 //! left, bounded by `tolerance::attention_allowed`. Pages are handed out in a shuffled order
 //! with spare pages between requests, so a wrong block-table lookup reads the wrong data.
 use cubecl::prelude::*;
-use kiln_kernels::mla::{self, AttnMetadata, KvFormat, PagedKvCache};
+use kiln_kernels::mla::{self, tree_mask_words, AttnMetadata, KvFormat, PagedKvCache, MAX_TREE_NODES};
 use kiln_kernels::Precision;
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};
@@ -41,18 +41,21 @@ pub struct MlaCase {
     /// 2^-16 (scores keep their size): fp8 tile scales past 2^7, where the tensor-core
     /// decode needs its second factor.
     pub huge_tile: bool,
+    /// Each request's last queries are a random draft tree (1 to 32 nodes) with its mask.
+    pub tree: bool,
 }
 
 impl MlaCase {
     fn shape(&self) -> String {
         let max_kv = self.kv_lens.iter().max().copied().unwrap_or(0);
         format!(
-            "H={} B={} q<={} kv<={} page={}",
+            "H={} B={} q<={} kv<={} page={}{}",
             self.heads,
             self.q_lens.len(),
             self.q_lens.iter().max().copied().unwrap_or(0),
             max_kv,
-            self.page_size
+            self.page_size,
+            if self.tree { " tree" } else { "" }
         )
     }
 }
@@ -73,6 +76,15 @@ fn assign_pages(rng: &mut Rng, kv_lens: &[usize], page_size: usize) -> (Vec<Vec<
         })
         .collect();
     (tables, num_pages)
+}
+
+/// A random tree of 1 to `min(q_len, MAX_TREE_NODES)` nodes, each node's parent any
+/// earlier node.
+pub fn random_tree(rng: &mut Rng, q_len: usize) -> Vec<i32> {
+    let n = 1 + rng.below(q_len.min(MAX_TREE_NODES));
+    (0..n)
+        .map(|k| if k == 0 { -1 } else { rng.below(k) as i32 })
+        .collect()
 }
 
 /// Multiplies dims 384..512 of every 576-value row by `gain` (a power of two: exact).
@@ -116,10 +128,28 @@ pub fn run_mla<R: Runtime>(
             (pack_u8_words(&bytes), stored.fp8_round())
         }
     };
+    let trees: Vec<Option<Vec<i32>>> = if case.tree {
+        case.q_lens
+            .iter()
+            .map(|&q| Some(random_tree(&mut rng, q)))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let tree_masks = case.tree.then(|| {
+        let words: Vec<u32> = case
+            .q_lens
+            .iter()
+            .zip(&trees)
+            .flat_map(|(&q, t)| tree_mask_words(q, t.as_deref().unwrap_or(&[-1])))
+            .collect();
+        DeviceArray::upload(client, &words)
+    });
     let batch = AttnBatch {
         q_lens: case.q_lens.clone(),
         kv_lens: case.kv_lens.clone(),
         block_tables: tables,
+        trees,
     };
     let tokens = batch.num_tokens();
     let mut q = normal_with_outliers(&mut rng, tokens * case.heads * KV_DIM, 1.0);
@@ -151,6 +181,7 @@ pub fn run_mla<R: Runtime>(
         kv_lens: DeviceArray::upload(client, &kv_lens),
         block_table: DeviceArray::upload(client, &table),
         max_blocks,
+        tree_masks,
     };
     let cache = PagedKvCache {
         data: DeviceArray::upload(client, &words),
@@ -231,4 +262,33 @@ pub fn run_mla<R: Runtime>(
     );
     report.time_us = time_launch(client, timing, || launch().expect("validated above"));
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_match_the_reference_visibility() {
+                let parents = vec![-1, 0, 0, 1, 2, 2];
+        for q_len in [6, 9, 32, 40] {
+            let kv_len = q_len + 7;
+            let words = tree_mask_words(q_len, &parents);
+            let batch = AttnBatch {
+                q_lens: vec![q_len],
+                kv_lens: vec![kv_len],
+                block_tables: vec![vec![0]],
+                trees: vec![Some(parents.clone())],
+            };
+            let window = kv_len - q_len.min(MAX_TREE_NODES);
+            for (i, &word) in words.iter().enumerate() {
+                let pos = kv_len - q_len + i;
+                let seen: Vec<usize> = (0..=pos)
+                    .filter(|&key| key < window || (word >> (key - window)) & 1 == 1)
+                    .collect();
+                assert_eq!(seen, batch.visible_positions(0, i), "q_len {q_len} query {i}");
+            }
+        }
+    }
+
 }

@@ -121,6 +121,7 @@ mod decode {
                 kv_lens: DeviceArray::upload(client, &vec![ctx as u32; batch]),
                 block_table: DeviceArray::upload(client, &table),
                 max_blocks: pages_per_req,
+                tree_masks: None,
             });
             tables.push(table);
         }
@@ -178,6 +179,7 @@ mod decode {
                 q_lens: vec![1],
                 kv_lens: vec![visible],
                 block_tables: vec![(0..visible.div_ceil(PAGE) as u32).collect()],
+                trees: Vec::new(),
             };
             let mut q_sub = Vec::new();
             for &h in &picked {

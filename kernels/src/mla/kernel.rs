@@ -6,6 +6,7 @@
 //! output dimensions over the chunk's rows (coalesced across units).
 use cubecl::prelude::*;
 
+use super::tree_mask::{sees, tree_window};
 use super::KvFormat;
 use crate::formats::{bf16_to_f32, byte_at, e4m3_to_f32, half_at};
 
@@ -17,6 +18,8 @@ pub struct MlaConfig {
     /// Units per cube = KV positions per chunk.
     pub chunk: u32,
     pub format: KvFormat,
+    /// Queries carry draft-tree masks (`tree_masks`, one word per query token).
+    pub tree: bool,
 }
 
 /// Stands for minus infinity: WGSL has no infinite literals.
@@ -36,6 +39,7 @@ pub fn mla_kernel(
     block_table: &Array<u32>,
     cu_q_lens: &Array<u32>,
     kv_lens: &Array<u32>,
+    tree_masks: &Array<u32>,
     out: &mut Array<f32>,
     heads: u32,
     max_blocks: u32,
@@ -70,6 +74,16 @@ pub fn mla_kernel(
                 value = q[((q_start + first + i) * heads as usize + head) * 576 + idx % 576];
             }
             qs[idx] = value;
+        }
+
+        let window = tree_window(kv_len, q_len);
+        let mut masks = Array::<u32>::new(comptime!(cfg.tile as usize));
+        #[unroll]
+        for i in 0..tile {
+            masks[i] = 0u32;
+            if comptime!(cfg.tree) && i < rows_in_tile {
+                masks[i] = tree_masks[q_start + first + i];
+            }
         }
 
         let mut run_max = Array::<f32>::new(comptime!(cfg.tile as usize));
@@ -111,7 +125,7 @@ pub fn mla_kernel(
             }
             #[unroll]
             for i in 0..tile {
-                let visible = i < rows_in_tile && j <= pos0 + i;
+                let visible = i < rows_in_tile && sees(j, pos0 + i, window, masks[i], cfg.tree);
                 ps[i * chunk + unit] = select(visible, scores[i] * softmax_scale, NEG_BIG);
             }
             sync_cube();

@@ -43,6 +43,7 @@ use super::kv_chunks::{
     next_bf16_halves, next_fp8_chunk, start_bf16_ring, start_chunks, HalfRows, KvSpan,
     FP8_ROW_VECS, KV_STRIDE, RING_SLOTS,
 };
+use super::tree_mask::{sees, tree_window};
 use super::KvFormat;
 use crate::warp_mma::{Acc, Frag};
 
@@ -69,6 +70,8 @@ pub struct MmaAttnConfig {
     pub format: KvFormat,
     /// One split: write the normalised output instead of partial sums.
     pub direct: bool,
+    /// Queries carry draft-tree masks (`tree_masks`, one word per query token).
+    pub tree: bool,
 }
 
 /// Grid: (row groups of the longest request, splits, batch); [`UNITS`] units.
@@ -81,6 +84,7 @@ pub fn mma_attention_kernel(
     block_table: &Array<u32>,
     cu_q_lens: &Array<u32>,
     kv_lens: &Array<u32>,
+    tree_masks: &Array<u32>,
     out: &mut Array<f32>,
     part_out: &mut Array<f32>,
     part_ml: &mut Array<f32>,
@@ -230,7 +234,13 @@ pub fn mma_attention_kernel(
         let srow = unit / 8;
         let part = unit % 8;
         let row_valid = srow < rows_here;
-        let row_pos = kv_len - q_len + (row0 + srow) / heads;
+        let row_token = (row0 + srow) / heads;
+        let row_pos = kv_len - q_len + row_token;
+        let mut row_mask = 0u32;
+        if comptime!(cfg.tree) && row_valid {
+            row_mask = tree_masks[q_start + row_token];
+        }
+        let window = tree_window(kv_len, q_len);
         let mut m_run = f32::new(NEG_BIG);
         let mut l_run = 0.0f32;
         for c in c_begin..c_end {
@@ -307,7 +317,8 @@ pub fn mma_attention_kernel(
                     + ss[at + 32 * S_STRIDE]
                     + ss[at + 48 * S_STRIDE])
                     * softmax_scale;
-                let visible = row_valid && c * 32 + col <= row_pos;
+                let visible =
+                    row_valid && sees(c * 32 + col, row_pos, window, row_mask, cfg.tree);
                 sv[e] = select(visible, score, NEG_BIG);
                 local_max = max(local_max, sv[e]);
             }

@@ -5,8 +5,10 @@
 //! concatenated with the roped `q_pe`), `[tokens, heads, 576]`; outputs are the latent
 //! `[tokens, heads, 512]` before `W_UV`. A batch is ragged: request `b` has `q_len` query
 //! tokens at the end of its `kv_len` cached tokens, so query `i` sits at position
-//! `kv_len - q_len + i` and sees positions `0..=` that one (causal). Position `p` lives in
-//! page `block_table[b][p / page_size]`, slot `p % page_size`.
+//! `kv_len - q_len + i` and sees positions `0..=` that one (causal), or, where the last
+//! queries are a draft tree (`AttnMetadata::tree_masks`), the context before the tree and
+//! its own ancestors (`tree_mask.rs`). Position `p` lives in page
+//! `block_table[b][p / page_size]`, slot `p % page_size`.
 //!
 //! Two kernels. Where the device has bf16 `mma.sync` (CUDA) and the KV cache is bf16 or fp8,
 //! both entry points run a tensor-core split-KV kernel (`mma.rs`: 16 query rows per cube,
@@ -29,12 +31,14 @@ mod combine;
 mod kernel;
 mod kv_chunks;
 mod mma;
+mod tree_mask;
 mod wide;
 
 use cubecl::prelude::*;
 
 pub use absorb::{absorb_query, absorbs_on_tensor_cores, project_values, KvBShape};
 pub use cache_write::{write_kv, write_kv_normed, KvRowPrep};
+pub use tree_mask::{tree_mask_words, MAX_TREE_NODES};
 
 use crate::buffer::{check_index_space, check_len};
 use crate::{DeviceArray, KernelError, Precision};
@@ -99,6 +103,8 @@ pub struct AttnMetadata {
     /// `[batch, max_blocks]` page ids.
     pub block_table: DeviceArray<u32>,
     pub max_blocks: usize,
+    /// Draft-tree masks, one word per query token ([`tree_mask_words`]); `None`: causal.
+    pub tree_masks: Option<DeviceArray<u32>>,
 }
 
 /// Attention for one or a few query tokens per request (decode, draft verification).
@@ -230,8 +236,10 @@ fn launch_mma<R: Runtime>(
     let config = mma::MmaAttnConfig {
         format: kv.format,
         direct: splits == 1,
+        tree: meta.tree_masks.is_some(),
     };
     let grid = CubeCount::Static(groups as u32, splits as u32, meta.batch as u32);
+    let tree_masks = tree_masks_arg(meta);
     // Both kernels take the same arguments (the cache twice: as bf16 and as raw vectors).
     macro_rules! launch_attention {
         ($kernel:path, $units:expr) => {
@@ -245,6 +253,7 @@ fn launch_mma<R: Runtime>(
                 meta.block_table.arg(),
                 meta.cu_q_lens.arg(),
                 meta.kv_lens.arg(),
+                tree_masks.arg(),
                 out.arg(),
                 part_out.arg(),
                 part_ml.arg(),
@@ -283,6 +292,11 @@ fn launch_mma<R: Runtime>(
             );
         }
     }
+}
+
+/// The kernels' mask argument: the masks, or (never read without a tree) `cu_q_lens`.
+fn tree_masks_arg(meta: &AttnMetadata) -> &DeviceArray<u32> {
+    meta.tree_masks.as_ref().unwrap_or(&meta.cu_q_lens)
 }
 
 fn validate<R: Runtime>(
@@ -328,6 +342,9 @@ fn validate<R: Runtime>(
     check_index_space("KV cache bytes", kv.data.len() * 4)?;
     check_index_space("query elements", meta.num_tokens * heads * KV_DIM)?;
     check_len("queries", q, meta.num_tokens * heads * KV_DIM)?;
+    if let Some(masks) = &meta.tree_masks {
+        check_len("tree masks", masks, meta.num_tokens)?;
+    }
     check_len("output", out, meta.num_tokens * heads * V_DIM)
 }
 
@@ -350,6 +367,7 @@ pub fn launch_unchecked<R: Runtime>(
         tile,
         chunk: CHUNK,
         format: kv.format,
+        tree: meta.tree_masks.is_some(),
     };
     // SAFETY: the caller guarantees buffers and metadata agree with the shapes.
     unsafe {
@@ -362,6 +380,7 @@ pub fn launch_unchecked<R: Runtime>(
             meta.block_table.arg(),
             meta.cu_q_lens.arg(),
             meta.kv_lens.arg(),
+            tree_masks_arg(meta).arg(),
             out.arg(),
             heads as u32,
             meta.max_blocks as u32,

@@ -30,6 +30,7 @@ use super::kv_chunks::{
     copy_bf16_row, next_fp8_chunk, start_chunks, KvSpan, FP8_ROW_VECS, KV_STRIDE, ROW_VECS,
 };
 use super::mma::{MmaAttnConfig, NEG_BIG};
+use super::tree_mask::{sees, tree_window};
 use super::KvFormat;
 use crate::warp_mma::{load_a_tile, mma_step, Acc, Bf16x8 as Vec8, Frag};
 
@@ -60,6 +61,7 @@ pub fn wide_attention_kernel(
     block_table: &Array<u32>,
     cu_q_lens: &Array<u32>,
     kv_lens: &Array<u32>,
+    tree_masks: &Array<u32>,
     out: &mut Array<f32>,
     part_out: &mut Array<f32>,
     part_ml: &mut Array<f32>,
@@ -194,7 +196,13 @@ pub fn wide_attention_kernel(
         let srow = unit / 4;
         let part = unit % 4;
         let row_valid = srow < rows_here;
-        let row_pos = kv_len - q_len + (row0 + srow) / heads;
+        let row_token = (row0 + srow) / heads;
+        let row_pos = kv_len - q_len + row_token;
+        let mut row_mask = 0u32;
+        if comptime!(cfg.tree) && row_valid {
+            row_mask = tree_masks[q_start + row_token];
+        }
+        let window = tree_window(kv_len, q_len);
         let mut m_run = f32::new(NEG_BIG);
         let mut l_run = 0.0f32;
         // The score work of this warp: row tiles 2 rh, 2 rh + 1; dimension quarter kq.
@@ -308,7 +316,8 @@ pub fn wide_attention_kernel(
                 #[unroll]
                 for h in 0..2usize {
                     let col = part * 8 + e * 2 + h;
-                    let visible = row_valid && c * 32 + col <= row_pos;
+                    let visible =
+                    row_valid && sees(c * 32 + col, row_pos, window, row_mask, cfg.tree);
                     sv[e * 2 + h] = select(visible, pair[h] * softmax_scale, NEG_BIG);
                     local_max = max(local_max, sv[e * 2 + h]);
                 }

@@ -54,6 +54,7 @@ fn cases(mode: AttnMode, max_q: usize) -> impl Strategy<Value = MlaCase> {
             mode,
             seed,
             huge_tile: false,
+            tree: false,
         })
 }
 
@@ -67,6 +68,41 @@ fn decode<R: Runtime>(client: &ComputeClient<R>) {
 
 fn prefill<R: Runtime>(client: &ComputeClient<R>) {
     mla_cases(client, cases(AttnMode::Prefill, 150));
+}
+
+/// Draft trees as the last queries of each request (random shapes, up to 32 nodes, after
+/// plain queries where q_len passes the 32-query mask window), both tilings and formats.
+fn trees<R: Runtime>(client: &ComputeClient<R>) {
+    for (mode, max_q) in [(AttnMode::Decode, 40), (AttnMode::Prefill, 60)] {
+        mla_cases(
+            client,
+            cases(mode, max_q).prop_map(|case| MlaCase { tree: true, ..case }),
+        );
+    }
+}
+
+/// Trees at Kimi's 64 heads (the 64-row tensor-core cube) and fewer (the 16-row one),
+/// both KV formats, over a few chunks.
+fn kimi_trees<R: Runtime>(client: &ComputeClient<R>) {
+    for (heads, q_lens, kv_lens, format) in [
+        (64, vec![16, 1], vec![300, 129], KvFormat::Bf16),
+        (64, vec![8, 12], vec![97, 1000], KvFormat::Fp8),
+        (8, vec![32, 3], vec![260, 40], KvFormat::Bf16),
+        (4, vec![40, 5], vec![333, 5], KvFormat::Fp8),
+    ] {
+        let case = MlaCase {
+            heads,
+            page_size: 64,
+            q_lens,
+            kv_lens,
+            format,
+            mode: AttnMode::Decode,
+            seed: 12,
+            huge_tile: false,
+            tree: true,
+        };
+        run_mla(client, &case, false).unwrap().assert_passed();
+    }
 }
 
 /// Kimi's 64 heads over a few chunks, a draft-verification step of 16 query tokens, and
@@ -97,6 +133,7 @@ fn kimi_shapes<R: Runtime>(client: &ComputeClient<R>) {
             mode: AttnMode::Decode,
             seed: 11,
             huge_tile,
+            tree: false,
         };
         run_mla(client, &case, false).unwrap().assert_passed();
     }
@@ -116,6 +153,7 @@ fn long_context_splits<R: Runtime>(client: &ComputeClient<R>) {
         mode: AttnMode::Decode,
         seed: 11,
         huge_tile: false,
+        tree: false,
     };
     run_mla(client, &case, false).unwrap().assert_passed();
 }
@@ -131,6 +169,7 @@ fn bad_metadata_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
         kv_lens: DeviceArray::upload(client, &[max_q_len as u32]),
         block_table: DeviceArray::upload(client, &[0u32, 1]),
         max_blocks: 2,
+        tree_masks: None,
     };
     let cache = PagedKvCache {
         data: DeviceArray::upload(client, &vec![0x3f80_3f80u32; 2 * 64 * 288]),
@@ -173,6 +212,20 @@ fn bad_metadata_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
             what: "queries",
             expected: 3 * heads * 576,
             got: 65 * heads * 576
+        })
+    );
+    // Tree masks: one word per query token.
+    let q3 = DeviceArray::upload(client, &vec![0.5f32; 3 * heads * 576]);
+    let masked = AttnMetadata {
+        tree_masks: Some(DeviceArray::upload(client, &[1u32, 3])),
+        ..meta(3)
+    };
+    assert_eq!(
+        mla_decode(client, &q3, heads, &cache, &masked, 0.1, &out, Precision::Bf16),
+        Err(KernelError::Length {
+            what: "tree masks",
+            expected: 3,
+            got: 2
         })
     );
     // A cache whose buffer does not hold num_pages * page_size rows.
@@ -508,6 +561,8 @@ kiln_backends::backend_tests! {
     normed_cache_writes,
     decode,
     prefill,
+    trees,
+    kimi_trees,
     kimi_shapes,
     long_context_splits,
     bad_metadata_is_a_typed_error,

@@ -174,6 +174,7 @@ impl Batch {
             kv_lens: DeviceArray::upload(client, &kv_lens),
             block_table: DeviceArray::upload(client, &table),
             max_blocks,
+            tree_masks: None,
         };
         let rows: Option<Vec<u32>> = match &self.logits {
             LogitRows::All => None,
