@@ -311,14 +311,24 @@ fn warm_up<R: Runtime>(
     }
     let vocab = model.config.vocab_size as u32;
     let block_table: Vec<u32> = (0..(prompt + 1).div_ceil(page) as u32).collect();
-    let slice = |tokens: Vec<u32>, kv_len| RequestSlice {
+    let slice = |tokens: Vec<u32>, kv_len, tree| RequestSlice {
         tokens,
         kv_len,
         block_table: block_table.clone(),
+        tree,
     };
     let prefill = (0..prompt as u32).map(|t| t % vocab).collect();
-    model.step(&Batch::last_logits(vec![slice(prefill, prompt)]), pool)?;
-    model.step(&Batch::last_logits(vec![slice(vec![0], prompt + 1)]), pool)?;
+    model.step(
+        &Batch::last_logits(vec![slice(prefill, prompt, None)]),
+        pool,
+    )?;
+    model.step(
+        &Batch::last_logits(vec![slice(vec![0], prompt + 1, None)]),
+        pool,
+    )?;
+    // A draft tree's attention (speculative decoding) compiles its own kernels.
+    let tree = slice(vec![0, 0], prompt + 1, Some(vec![-1, 0]));
+    model.step(&Batch::last_logits(vec![tree]), pool)?;
     tracing::info!(ms = start.elapsed().as_millis() as u64, "kernels warmed up");
     Ok(())
 }

@@ -50,33 +50,37 @@ pub fn sample(logits: &[f32], temperature: f32, top_p: f32, rng: &mut Rng) -> u3
     draw(&weights, total, rng).unwrap_or_else(|| argmax(logits))
 }
 
-/// Verification of one drafted token against the row of logits at its position:
-/// `Ok(())` keeps it; `Err(t)` rejects it, `t` being the token emitted instead.
+/// Verification of a draft tree node's children (their tokens, in the order tried)
+/// against the row of logits at the node: `Ok(k)` keeps child `k`; `Err(t)` rejects them
+/// all, `t` being the token emitted instead.
 ///
-/// Lossless for a drafter that proposes one token (a point mass): greedy keeps the draft
-/// iff it is the argmax; otherwise the draft `d` is kept with probability `p(d)` and a
-/// rejection draws from `p` with `d` removed (the residual `max(p - q, 0)` renormalised),
-/// so each emitted token is distributed exactly as [`sample`] would draw it (Leviathan et
-/// al. 2023, Chen et al. 2023).
+/// Lossless for drafters that propose tokens, not distributions (point masses): greedy
+/// keeps the child that is the argmax; otherwise child `d` is kept with probability
+/// `r(d)`, `r` being `p` with the rejected children's tokens removed and renormalised (the
+/// residual `max(r - q, 0)` of a point mass), and after the last rejection a token is
+/// drawn from `r`; so the emitted token is distributed exactly as [`sample`] draws it
+/// (Leviathan et al. 2023 for one child; SpecInfer's multi-round form for several).
 pub fn verify(
     logits: &[f32],
-    draft: u32,
+    children: &[u32],
     temperature: f32,
     top_p: f32,
     rng: &mut Rng,
-) -> Result<(), u32> {
+) -> Result<usize, u32> {
     if temperature <= 0.0 {
         let best = argmax(logits);
-        return if best == draft { Ok(()) } else { Err(best) };
+        return children.iter().position(|&c| c == best).ok_or(best);
     }
-    let (mut weights, total) = distribution(logits, temperature, top_p);
-    let p = weights.iter().find(|w| w.0 == draft).map_or(0.0, |w| w.1) / total;
-    if rng.uniform() < p {
-        return Ok(());
+    let (mut weights, mut total) = distribution(logits, temperature, top_p);
+    for (k, &child) in children.iter().enumerate() {
+        let w = weights.iter().find(|w| w.0 == child).map_or(0.0, |w| w.1);
+        if rng.uniform() * total < w {
+            return Ok(k);
+        }
+        weights.retain(|w| w.0 != child);
+        total -= w;
     }
-    weights.retain(|w| w.0 != draft);
-    let rest = total - p * total;
-    Err(draw(&weights, rest, rng).unwrap_or_else(|| argmax(logits)))
+    Err(draw(&weights, total, rng).unwrap_or_else(|| argmax(logits)))
 }
 
 /// Index of the largest logit, the lowest index on ties.
@@ -148,31 +152,37 @@ mod tests {
 
     #[test]
     fn verified_drafts_emit_exactly_the_sampled_distribution() {
-        // Drafts of every token, likely and unlikely, in full and under a nucleus that
-        // keeps three of the five (0.4 + 0.25 + 0.2 >= 0.8).
+        // Drafts of every token and pair of tokens (siblings in a tree), likely and
+        // unlikely, in full and under a nucleus that keeps three of the five
+        // (0.4 + 0.25 + 0.2 >= 0.8).
         let probs = [0.4f64, 0.25, 0.2, 0.1, 0.05];
         let logits: Vec<f32> = probs.iter().map(|&p| (p as f32).ln()).collect();
         let nucleus = [0.4 / 0.85, 0.25 / 0.85, 0.2 / 0.85, 0.0, 0.0];
+        let singles = (0..5u32).map(|d| vec![d]);
+        let pairs = [vec![4, 0], vec![1, 3], vec![2, 1], vec![3, 4]];
+        let drafts: Vec<Vec<u32>> = singles.chain(pairs).collect();
         for (top_p, want) in [(1.0, probs), (0.8, nucleus)] {
-            for draft in 0..5u32 {
-                let mut rng = Rng::new(13 + draft as u64);
+            for (i, children) in drafts.iter().enumerate() {
+                let mut rng = Rng::new(13 + i as u64);
                 let mut counts = [0usize; 5];
                 for _ in 0..40_000 {
-                    let t = verify(&logits, draft, 1.0, top_p, &mut rng)
-                        .err()
-                        .unwrap_or(draft);
+                    let t = match verify(&logits, children, 1.0, top_p, &mut rng) {
+                        Ok(k) => children[k],
+                        Err(t) => t,
+                    };
                     counts[t as usize] += 1;
                 }
                 let fit = chi_square(&counts, &want);
                 assert_eq!(fit.impossible, 0, "outside the nucleus: {counts:?}");
                 assert!(
                     fit.statistic < critical_value_p001(fit.dof),
-                    "draft {draft} top_p {top_p}: {counts:?} {fit:?}"
+                    "draft {children:?} top_p {top_p}: {counts:?} {fit:?}"
                 );
             }
         }
         let mut rng = Rng::new(1);
-        assert_eq!(verify(&logits, 0, 0.0, 1.0, &mut rng), Ok(()));
-        assert_eq!(verify(&logits, 2, 0.0, 1.0, &mut rng), Err(0));
+        assert_eq!(verify(&logits, &[0], 0.0, 1.0, &mut rng), Ok(0));
+        assert_eq!(verify(&logits, &[2, 0], 0.0, 1.0, &mut rng), Ok(1));
+        assert_eq!(verify(&logits, &[2], 0.0, 1.0, &mut rng), Err(0));
     }
 }

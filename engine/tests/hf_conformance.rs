@@ -180,6 +180,7 @@ fn whole_sequence<R: Runtime>(
         tokens: tokens.to_vec(),
         kv_len: tokens.len(),
         block_table: (0..pages as u32).rev().map(|p| p + 1).collect(),
+        tree: None,
     }]);
     (batch, pool)
 }
@@ -229,6 +230,7 @@ fn decode_matches_hf<R: Runtime>(client: &ComputeClient<R>, name: &str, precisio
             tokens: tokens[at..end].to_vec(),
             kv_len: end,
             block_table: table[..end].to_vec(),
+            tree: None,
         };
         let out = model.forward(&Batch::new(vec![slice]), &pool).unwrap();
         got.extend(out.iter().map(|&x| x as f64));
@@ -366,6 +368,7 @@ fn hidden_states_match_the_reference<R: Runtime>(client: &ComputeClient<R>) {
         tokens: tokens.clone(),
         kv_len: tokens.len(),
         block_table: table,
+        tree: None,
     }]);
     batch.capture = vec![2, 0];
     let out = model.step(&batch, &pool).unwrap();
@@ -405,6 +408,7 @@ fn bad_batches_are_refused<R: Runtime>(client: &ComputeClient<R>) {
             tokens,
             kv_len,
             block_table,
+            tree: None,
         }])
     };
     for (batch, needle) in [
@@ -416,6 +420,76 @@ fn bad_batches_are_refused<R: Runtime>(client: &ComputeClient<R>) {
     ] {
         let err = model.forward(&batch, &pool).unwrap_err();
         assert!(err.to_string().contains(needle), "{err}");
+    }
+    for (tree, needle) in [
+        (vec![-1, 5], "node 1 has parent 5"),
+        (vec![0, 0], "the root has parent 0"),
+        (vec![-1, 0, 1], "a draft tree of 3 nodes over 2 new tokens"),
+    ] {
+        let batch = Batch::new(vec![RequestSlice {
+            tokens: vec![1, 2],
+            kv_len: 2,
+            block_table: vec![0],
+            tree: Some(tree),
+        }]);
+        let err = model.forward(&batch, &pool).unwrap_err();
+        assert!(err.to_string().contains(needle), "{err}");
+    }
+}
+
+/// A draft tree's step (speculative decoding) scores each node as the causal sequence of
+/// its path alone does: the tree mask, positions by depth and rows written by index,
+/// through every kernel; exact, and as served (bf16 operands over a bf16 cache).
+fn a_draft_tree_scores_each_node_as_its_path_alone<R: Runtime>(client: &ComputeClient<R>) {
+    let served = (Precision::default(), KvFormat::Bf16, BF16_OPERANDS_BOUND);
+    for (precision, kv, bound) in [(Precision::Exact, KvFormat::F32, BF16_BOUND), served] {
+        let (ckpt, model) = device_model(client, "tiny-kimi", precision);
+        let vocab = ckpt.spec.arch.vocab_size;
+        let (tokens, _) = golden(&fixture("tiny-kimi")).pop().unwrap();
+        let prefix = &tokens[..8];
+        // The root (the next context token) -> {1, 2}, 1 -> 3, 2 -> {4, 5}.
+        let parents = vec![-1, 0, 0, 1, 2, 2];
+        let nodes = [tokens[8], 7, 9, 11, 7, 3];
+        let page = 4;
+        let total = prefix.len() + nodes.len();
+        let pages = total.div_ceil(page);
+        let pool = model.kv_pool(pages + 1, page, kv);
+        let table: Vec<u32> = (1..=pages as u32).rev().collect();
+        let slice = |tokens: &[u32], kv_len, tree| RequestSlice {
+            tokens: tokens.to_vec(),
+            kv_len,
+            block_table: table.clone(),
+            tree,
+        };
+        let first = slice(prefix, prefix.len(), None);
+        model.forward(&Batch::new(vec![first]), &pool).unwrap();
+        let step = slice(&nodes, total, Some(parents.clone()));
+        let got = model.forward(&Batch::new(vec![step]), &pool).unwrap();
+        for k in 0..nodes.len() {
+            let mut path = Vec::new();
+            let mut node = k as i32;
+            while node >= 0 {
+                path.push(nodes[node as usize]);
+                node = parents[node as usize];
+            }
+            path.reverse();
+            let alone = prefill(&model, &[prefix, &path].concat(), kv);
+            let want: Vec<f32> = alone[alone.len() - vocab..]
+                .iter()
+                .map(|&x| x as f32)
+                .collect();
+            let got: Vec<f64> = got[k * vocab..(k + 1) * vocab]
+                .iter()
+                .map(|&x| x as f64)
+                .collect();
+            check_rows(
+                &format!("{precision:?} tree node {k}"),
+                &got,
+                &want,
+                vocab,
+                bound,
+            );
+        }
     }
 }
 
@@ -431,4 +505,5 @@ kiln_backends::backend_tests! {
     hidden_states_match_the_reference,
     other_mla_dims_are_refused,
     bad_batches_are_refused,
+    a_draft_tree_scores_each_node_as_its_path_alone,
 }

@@ -86,6 +86,7 @@ fn prefill_agrees<R: Runtime>(one: &GpuModel<R>, tp: &ShardedModel<R>, tokens: &
         tokens: tokens.to_vec(),
         kv_len: tokens.len(),
         block_table: (0..pages as u32).rev().map(|p| p + 1).collect(),
+        tree: None,
     }]);
     let want = one
         .forward(&batch, &one.kv_pool(pages + 2, page, KvFormat::F32))
@@ -121,6 +122,7 @@ fn decode_agrees<R: Runtime>(one: &GpuModel<R>, tp: &ShardedModel<R>, rng: &mut 
                 tokens: ctx[ctx.len() - n..].to_vec(),
                 kv_len: ctx.len(),
                 block_table: table.clone(),
+                tree: None,
             })
             .collect();
         let mut batch = Batch::new(requests);
@@ -183,6 +185,7 @@ fn one_rank_reproduces_the_unsharded_model_bit_for_bit<R: Runtime>(client: &Comp
         tokens: tokens.clone(),
         kv_len: tokens.len(),
         block_table: vec![2, 0, 1],
+        tree: None,
     }]);
     let want = one
         .forward(&batch, &one.kv_pool(3, 4, KvFormat::F32))
@@ -212,6 +215,7 @@ fn impossible_splits_and_bad_batches_are_refused<R: Runtime>(client: &ComputeCli
             kv_len: tokens.len(),
             tokens,
             block_table: vec![0],
+            tree: None,
         }])
     };
     let err = tp.forward(&one(vec![3, 512]), &pool).unwrap_err();

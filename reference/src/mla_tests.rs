@@ -284,7 +284,10 @@ fn tree_nodes_attend_as_their_paths() {
     let paths: [&[usize]; 6] = [&[0], &[0, 1], &[0, 2], &[0, 1, 3], &[0, 2, 4], &[0, 2, 5]];
     for (node, path) in paths.iter().enumerate() {
         let positions: Vec<usize> = (0..start).chain(path.iter().map(|&j| start + j)).collect();
-        assert_eq!(batch.visible_positions(0, q_len - parents.len() + node), positions);
+        assert_eq!(
+            batch.visible_positions(0, q_len - parents.len() + node),
+            positions
+        );
         let mut rows = Vec::new();
         for &p in &positions {
             rows.extend_from_slice(kv.row(batch.row_of(0, p, 4)));

@@ -6,7 +6,9 @@
 //! left, bounded by `tolerance::attention_allowed`. Pages are handed out in a shuffled order
 //! with spare pages between requests, so a wrong block-table lookup reads the wrong data.
 use cubecl::prelude::*;
-use kiln_kernels::mla::{self, tree_mask_words, AttnMetadata, KvFormat, PagedKvCache, MAX_TREE_NODES};
+use kiln_kernels::mla::{
+    self, tree_mask_words, AttnMetadata, KvFormat, PagedKvCache, MAX_TREE_NODES,
+};
 use kiln_kernels::Precision;
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};
@@ -270,7 +272,7 @@ mod tests {
 
     #[test]
     fn words_match_the_reference_visibility() {
-                let parents = vec![-1, 0, 0, 1, 2, 2];
+        let parents = vec![-1, 0, 0, 1, 2, 2];
         for q_len in [6, 9, 32, 40] {
             let kv_len = q_len + 7;
             let words = tree_mask_words(q_len, &parents);
@@ -286,9 +288,12 @@ mod tests {
                 let seen: Vec<usize> = (0..=pos)
                     .filter(|&key| key < window || (word >> (key - window)) & 1 == 1)
                     .collect();
-                assert_eq!(seen, batch.visible_positions(0, i), "q_len {q_len} query {i}");
+                assert_eq!(
+                    seen,
+                    batch.visible_positions(0, i),
+                    "q_len {q_len} query {i}"
+                );
             }
         }
     }
-
 }

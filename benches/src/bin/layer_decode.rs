@@ -242,6 +242,7 @@ fn step_timing<R: Runtime>(
             block_table: (b * pages_per..(b + 1) * pages_per)
                 .map(|p| p as u32)
                 .collect(),
+            tree: None,
         })
         .collect();
     let batch = Batch::new(requests);

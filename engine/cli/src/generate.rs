@@ -72,6 +72,7 @@ impl BackendVisitor for Generate<'_> {
                 tokens,
                 kv_len,
                 block_table: table[..kv_len.div_ceil(PAGE)].to_vec(),
+                tree: None,
             };
             model.step(&Batch::new(vec![slice]), &pool)
         };

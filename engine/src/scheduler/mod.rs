@@ -9,9 +9,10 @@
 //! admitted request fits the pool alone, so some request always makes progress.
 //!
 //! Host-side only: [`Scheduler::schedule`] returns a [`Step`] (a model [`Batch`]),
-//! [`Scheduler::complete`] takes its logits. Room for speculative decoding: a step slice
-//! may carry several query tokens of one request; `computed` then advances only by the
-//! accepted ones and the pages past it are rewritten by the next step.
+//! [`Scheduler::complete`] takes its logits. Speculative decoding: a decoding request's
+//! slice may end in a draft tree ([`Draft`]); `computed` then advances only by the accepted
+//! tokens whose cache rows are in place (the path `0, 1, 2, ..` of the tree) and the rest,
+//! accepted or not, are rewritten by the next step.
 pub mod policy;
 mod request;
 
@@ -27,7 +28,9 @@ use crate::metrics::Metrics;
 use crate::model::gpu::{Batch, LogitRows, RequestSlice};
 use crate::sampling::{sample, verify};
 use crate::speculative::policy::{draft_budgets, Acceptance, StepCosts};
-use crate::speculative::{draft_len, simulated_accepts, DraftPolicy, Drafter, SpecConfig};
+use crate::speculative::{
+    draft_len, simulated_accepts, Draft, DraftPolicy, Drafter, SpecConfig, ROOT,
+};
 
 /// Fewest pages one eviction frees when the free list runs short.
 const EVICT_BATCH: usize = 16;
@@ -81,8 +84,8 @@ struct Slice {
     /// It runs only its last, generated token (and the draft).
     decode: bool,
     /// Drafted tokens run after them, to verify (each gets a logits row, as does the last
-    /// of the request's own).
-    draft: Vec<u32>,
+    /// of the request's own, the tree's root).
+    draft: Draft,
 }
 
 /// Waiting and running requests, the page pool and the prefix cache.
@@ -145,7 +148,7 @@ impl Scheduler {
 
     /// Running requests whose next step is a decode (one token).
     pub fn decoding(&self) -> usize {
-        self.running.iter().filter(|r| r.pending() == 1).count()
+        self.running.iter().filter(|r| r.decodes()).count()
     }
 
     /// Whether nothing is running or waiting.
@@ -220,7 +223,7 @@ impl Scheduler {
         }
         let mut budget = self.cfg.max_batch_tokens;
         let mut plan: Vec<usize> = vec![0; self.running.len()];
-        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); self.running.len()];
+        let mut drafts: Vec<Draft> = vec![Draft::default(); self.running.len()];
         let decoding = self.decoding();
         let limits = self.draft_limits(decoding, now);
         // A running request left out for lack of pages: newcomers must not take them.
@@ -231,10 +234,10 @@ impl Scheduler {
             while i < self.running.len() && budget > 0 {
                 let pending = self.running[i].pending();
                 let paused = self.running[i].stalled_since.is_some();
-                if plan[i] == 0 && !paused && (pending == 1) == decode_pass {
+                if plan[i] == 0 && !paused && self.running[i].decodes() == decode_pass {
                     let draft = match decode_pass {
                         true => self.draft(i, decoding, budget, limits[i]),
-                        false => Vec::new(),
+                        false => Draft::default(),
                     };
                     let want = policy::chunk_len(pending, budget) + draft.len();
                     match self.plan_one(i, want, &mut plan) {
@@ -242,8 +245,7 @@ impl Scheduler {
                             plan[i] = n;
                             budget -= n;
                             // Pages short of the whole draft: what fits of it.
-                            drafts[i] =
-                                draft[..n.saturating_sub(pending).min(draft.len())].to_vec();
+                            drafts[i] = draft.prefix(n.saturating_sub(pending));
                         }
                         None => starved = true,
                     }
@@ -264,7 +266,7 @@ impl Scheduler {
             budget -= n;
         }
         self.publish();
-        drafts.resize(self.running.len(), Vec::new());
+        drafts.resize(self.running.len(), Draft::default());
         let (mut requests, mut slices) = (Vec::new(), Vec::new());
         for ((r, &n), draft) in self.running.iter().zip(&plan).zip(drafts) {
             if n == 0 {
@@ -273,16 +275,18 @@ impl Scheduler {
             let kv_len = r.computed + n;
             let own = n - draft.len();
             let mut tokens = r.tokens[r.computed..r.computed + own].to_vec();
-            tokens.extend(&draft);
+            tokens.extend(&draft.tokens);
             requests.push(RequestSlice {
                 tokens,
                 kv_len,
                 block_table: r.pages[..kv_len.div_ceil(self.cfg.page_size)].to_vec(),
+                // A chain needs no mask: causal attention is its tree's.
+                tree: (!draft.is_chain()).then(|| draft.rooted_parents()),
             });
             slices.push(Slice {
                 id: r.id,
                 tokens: own,
-                decode: own == 1 && r.pending() == 1 && r.generated() > 0,
+                decode: r.decodes() && own == r.pending(),
                 draft,
             });
         }
@@ -305,7 +309,7 @@ impl Scheduler {
             return limits;
         };
         let decodes: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].pending() == 1 && self.running[i].stalled_since.is_none())
+            .filter(|&i| self.running[i].decodes() && self.running[i].stalled_since.is_none())
             .collect();
         let most: Vec<usize> = decodes
             .iter()
@@ -341,15 +345,15 @@ impl Scheduler {
 
     /// A draft of at most `most` tokens for decoding request `i` (empty when speculation
     /// is off or cannot pay).
-    fn draft(&mut self, i: usize, decoding: usize, budget: usize, most: usize) -> Vec<u32> {
+    fn draft(&mut self, i: usize, decoding: usize, budget: usize, most: usize) -> Draft {
         let (Some(spec), Some(drafter)) = (self.cfg.speculative, self.drafter.as_mut()) else {
-            return Vec::new();
+            return Draft::default();
         };
         let r = &self.running[i];
         let room = r.events.capacity();
         let max = draft_len(spec.max_draft, decoding, budget, room).min(most);
         if max == 0 {
-            return Vec::new();
+            return Draft::default();
         }
         let mut draft = drafter.propose(r.id, &r.tokens, max);
         draft.truncate(max);
@@ -469,32 +473,44 @@ impl Scheduler {
                 Some(t) => self.metrics.itl.observe(now - t),
             }
             r.last_token_at = Some(now);
-            // The draft's accepted prefix, then the model's own token at the first miss
-            // (or past the whole draft); in simulated-acceptance mode the prefix kept is
-            // drawn, not checked.
+            // The draft's accepted path from the root, then the model's own token where
+            // it ends; in simulated-acceptance mode the path (first children) is drawn,
+            // not checked.
             let (temperature, top_p) = (r.params.temperature, r.params.top_p);
-            let mut emitted = Vec::with_capacity(slice.draft.len() + 1);
+            let draft = &slice.draft;
             let simulated = self.cfg.speculative.and_then(|s| s.simulated_accept_len);
-            let kept = simulated.map(|l| simulated_accepts(l, slice.draft.len(), r.rng.uniform()));
-            for (j, row) in rows.chunks(vocab).enumerate() {
-                match slice.draft.get(j) {
-                    Some(&d) if kept.is_some_and(|k| j < k) => emitted.push(d),
-                    Some(&d) if kept.is_none() => {
-                        match verify(row, d, temperature, top_p, &mut r.rng) {
-                            Ok(()) => emitted.push(d),
-                            Err(t) => {
-                                emitted.push(t);
-                                break;
-                            }
-                        }
+            let kept = simulated.map(|l| simulated_accepts(l, draft.max_depth(), r.rng.uniform()));
+            let (mut path, mut emitted) = (Vec::new(), Vec::new());
+            let mut node = ROOT;
+            loop {
+                let row = &rows[(node + 1) as usize * vocab..(node + 2) as usize * vocab];
+                let children: Vec<usize> = draft.children(node).collect();
+                let tokens: Vec<u32> = children.iter().map(|&c| draft.tokens[c]).collect();
+                let chosen = match kept {
+                    Some(k) if path.len() < k && !children.is_empty() => Ok(0),
+                    Some(_) => Err(sample(row, temperature, top_p, &mut r.rng)),
+                    None if children.is_empty() => Err(sample(row, temperature, top_p, &mut r.rng)),
+                    None => verify(row, &tokens, temperature, top_p, &mut r.rng),
+                };
+                match chosen {
+                    Ok(k) => {
+                        path.push(children[k]);
+                        emitted.push(tokens[k]);
+                        node = children[k] as i32;
                     }
-                    _ => {
-                        emitted.push(sample(row, temperature, top_p, &mut r.rng));
+                    Err(t) => {
+                        emitted.push(t);
                         break;
                     }
                 }
             }
-            let accepted = emitted.len() - 1;
+            let accepted = path.len();
+            // Accepted nodes whose rows were written where their tokens belong.
+            let in_place = path
+                .iter()
+                .enumerate()
+                .take_while(|&(j, &n)| j == n)
+                .count();
             // Every decode step counts as a verification (SGLang's `spec_verify_ct`, so
             // completion tokens over it is the accept length), an empty draft too.
             if self.drafter.is_some() && r.generated() > 0 {
@@ -509,8 +525,8 @@ impl Scheduler {
                 self.metrics
                     .spec_accept_length
                     .observe_value((accepted + 1) as f64);
-                r.acceptance.record(slice.draft.len(), accepted);
-                self.acceptance.record(slice.draft.len(), accepted);
+                r.acceptance.record(slice.draft.max_depth(), accepted);
+                self.acceptance.record(slice.draft.max_depth(), accepted);
                 if let Some(d) = self.drafter.as_mut() {
                     d.accepted(slice.id, slice.draft.len(), accepted);
                 }
@@ -531,9 +547,9 @@ impl Scheduler {
                     break;
                 }
             }
-            // KV is in place for the request's own token and the accepted drafts; the
-            // rows of rejected ones are rewritten by the next step.
-            r.computed = (r.computed + accepted).min(r.tokens.len());
+            // KV is in place for the request's own tokens and the accepted path's leading
+            // `0, 1, 2, ..` nodes; the next step rewrites the rest.
+            r.computed = (r.computed + in_place).min(r.tokens.len());
             match reason {
                 Some(reason) => finished.push((slice.id, reason)),
                 None if prompt_done => {

@@ -178,6 +178,15 @@ impl Request {
         self.tokens.len() - self.computed
     }
 
+    /// Whether its next step decodes: it has generated, and what it still has to run is
+    /// its last token and at most the accepted draft tokens whose cache rows a tree
+    /// verification left out of place (so a draft tree fits after them).
+    pub fn decodes(&self) -> bool {
+        self.generated() > 0
+            && self.computed >= self.prompt_len
+            && self.pending() <= kiln_kernels::mla::MAX_TREE_NODES
+    }
+
     /// Whether the client went away (its receiver is dropped).
     pub fn cancelled(&self) -> bool {
         self.events.is_closed()

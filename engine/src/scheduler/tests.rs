@@ -21,6 +21,8 @@ struct HostKv {
     page_size: usize,
     rows: Vec<Option<u32>>,
     model: Model,
+    /// Request slices that ended in a draft tree (not a chain).
+    trees: usize,
 }
 
 fn context_hash(ctx: &[u32]) -> u64 {
@@ -62,6 +64,7 @@ impl HostKv {
             page_size,
             rows: vec![None; page_size * pages],
             model: hashed,
+            trees: 0,
         }
     }
 
@@ -85,8 +88,24 @@ impl HostKv {
                 LogitRows::Last => 1,
                 LogitRows::Tails(n) => n[b],
             };
-            for end in r.kv_len + 1 - rows..=r.kv_len {
-                logits.extend((self.model)(&ctx[..end]));
+            // A draft tree's node sees the context before the tree and its ancestors.
+            self.trees += usize::from(r.tree.is_some());
+            let tree = r.tree.as_deref().unwrap_or(&[-1]);
+            let start = r.kv_len - tree.len();
+            for pos in r.kv_len - rows..r.kv_len {
+                let mut seen = ctx[..pos.min(start)].to_vec();
+                if pos >= start {
+                    let mut path = Vec::new();
+                    let mut node = (pos - start) as i32;
+                    while node >= 0 {
+                        path.push(ctx[start + node as usize]);
+                        node = tree[node as usize];
+                    }
+                    seen.extend(path.iter().rev());
+                } else {
+                    seen.push(ctx[pos]);
+                }
+                logits.extend((self.model)(&seen));
             }
         }
         logits
@@ -666,6 +685,55 @@ fn stop_tokens_and_max_tokens_inside_an_accepted_draft_end_it_there() {
     }
 }
 
+/// Drafts a tree that puts the periodic model's continuation behind a wrong sibling: the
+/// root's children are (wrong, right), right's child is the next right token, the wrong
+/// one has a child too. Verification takes the second child, so the accepted path's rows
+/// are out of place and the next step rewrites them.
+struct DecoyTree;
+
+impl Drafter for DecoyTree {
+    fn propose(&mut self, _id: u64, tokens: &[u32], max: usize) -> Draft {
+        let n = tokens.len();
+        if max < 4 || n < PERIOD {
+            return Draft::default();
+        }
+        let wrong = |t: u32| 1 + t % (VOCAB as u32 - 1);
+        let (right, next) = (tokens[n - PERIOD], tokens[n - PERIOD + 1]);
+        Draft {
+            tokens: vec![wrong(right), right, next, wrong(next)],
+            parents: vec![ROOT, ROOT, 1, 0],
+        }
+    }
+}
+
+#[test]
+fn a_tree_whose_accepted_path_is_out_of_place_gives_the_same_tokens() {
+    let mut cfg = config(4, 256, 8);
+    cfg.eos_token_ids.clear();
+    let prompts: Vec<Vec<u32>> = (0..5).map(periodic_prompt).collect();
+    let (plain, _, m0) = run_all(cfg.clone(), 512, periodic, &prompts, 40);
+    let mut run = Run::new(speculative(cfg, 4), 512);
+    run.kv.model = periodic;
+    run.sched.drafter = Some(Box::new(DecoyTree));
+    let mut rxs: Vec<_> = (0..prompts.len())
+        .map(|i| run.submit(i as u64, prompts[i].clone(), 40))
+        .collect();
+    run.run_to_end();
+    let spec: Vec<Vec<u32>> = rxs.iter_mut().map(|rx| outcome(rx).0).collect();
+    assert_eq!(plain, spec, "a tree changed greedy tokens");
+    assert!(run.kv.trees > 0, "trees reached the model");
+    // Two drafted tokens and the model's own a step.
+    let m = &run.metrics;
+    assert!(
+        m.steps.get() * 2 < m0.steps.get(),
+        "{} vs {}",
+        m.steps.get(),
+        m0.steps.get()
+    );
+    let lengths = &m.spec_accept_length;
+    assert!(lengths.sum() / lengths.count() as f64 > 2.5);
+}
+
 /// `P(tokens[pos] = t)` over the model's own sampling, computed exactly from the model.
 fn exact_marginal(model: Model, prompt: &[u32], pos: usize) -> Vec<f64> {
     fn probs(model: Model, ctx: &[u32]) -> Vec<f64> {
@@ -706,10 +774,21 @@ fn exact_marginal(model: Model, prompt: &[u32], pos: usize) -> Vec<f64> {
 /// 20,000 requests (tokens binned by id mod 11).
 #[test]
 fn sampled_speculation_emits_the_distribution_of_plain_sampling() {
+    for tree in [false, true] {
+        sampled_speculation_is_lossless(tree);
+    }
+}
+
+/// Chains of the n-gram drafter, or [`DecoyTree`]'s trees (two children to verify at the
+/// root).
+fn sampled_speculation_is_lossless(tree: bool) {
     let mut cfg = speculative(config(4, 512, 16), 4);
     cfg.eos_token_ids.clear();
     let mut run = Run::new(cfg, 4096);
     run.kv.model = soft;
+    if tree {
+        run.sched.drafter = Some(Box::new(DecoyTree));
+    }
     let prompt = periodic_prompt(0);
     let (trials, bins) = (20_000usize, 11usize);
     let mut counts = vec![0usize; bins];
@@ -748,6 +827,7 @@ fn sampled_speculation_emits_the_distribution_of_plain_sampling() {
     let fit = kiln_reference::stats::chi_square(&counts, &want);
     assert!(
         fit.statistic < kiln_reference::stats::critical_value_p001(fit.dof),
-        "{counts:?} vs {want:?}: {fit:?}"
+        "tree {tree}: {counts:?} vs {want:?}: {fit:?}"
     );
+    assert_eq!(run.kv.trees > 0, tree);
 }

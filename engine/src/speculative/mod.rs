@@ -1,8 +1,9 @@
-//! Drafts for speculative decoding: a drafter proposes the tokens likely to follow a
-//! request's tokens; the scheduler runs them through the model in the request's next step
-//! (its last token plus the draft, causal, as one chain) and keeps the longest prefix that
-//! verification accepts plus one token of the model's own (`sampling::verify`), so the
-//! output is exactly what decoding one token a step would give, greedy or sampled.
+//! Drafts for speculative decoding: a drafter proposes a tree of tokens likely to follow a
+//! request's tokens ([`Draft`]); the scheduler runs them through the model in the
+//! request's next step (its last token plus the tree's nodes, each seeing its ancestors)
+//! and keeps the path that verification accepts from the root plus one token of the
+//! model's own (`sampling::verify`), so the output is exactly what decoding one token a
+//! step would give, greedy or sampled.
 //!
 //! - [`NgramDrafter`] (prompt lookup): the most recent earlier occurrence of the longest
 //!   suffix of the request's tokens (up to [`NGRAM_MAX`] long) and what followed it. Naive,
@@ -24,12 +25,14 @@
 //! - [`draft_len`]: how many tokens a request may draft in a step (its limits), and
 //!   [`policy`]: how many it does, from measured verification cost and acceptance.
 
+mod draft;
 mod handoff;
 pub mod policy;
 mod suffix;
 
 use std::collections::HashMap;
 
+pub use draft::{Draft, MAX_DRAFT_NODES, ROOT};
 pub use handoff::RETAINED_INDEXES;
 use handoff::{Handoff, Indexed};
 pub use policy::DraftPolicy;
@@ -45,8 +48,9 @@ pub const MAX_SPECULATIVE_BATCH: usize = 16;
 
 /// Proposes drafts from a request's tokens; learns from what was accepted.
 pub trait Drafter: Send {
-    /// Up to `max` tokens likely to follow `tokens` (request `id`'s prompt and output).
-    fn propose(&mut self, id: u64, tokens: &[u32], max: usize) -> Vec<u32>;
+    /// A tree of up to `max` tokens likely to follow `tokens` (request `id`'s prompt and
+    /// output).
+    fn propose(&mut self, id: u64, tokens: &[u32], max: usize) -> Draft;
     /// Verification kept `accepted` of the `drafted` tokens of request `id`'s last draft.
     fn accepted(&mut self, _id: u64, _drafted: usize, _accepted: usize) {}
     /// Request `id` ended: forget it.
@@ -62,17 +66,17 @@ pub trait Drafter: Send {
 pub struct NgramDrafter;
 
 impl Drafter for NgramDrafter {
-    fn propose(&mut self, _id: u64, tokens: &[u32], max: usize) -> Vec<u32> {
+    fn propose(&mut self, _id: u64, tokens: &[u32], max: usize) -> Draft {
         let len = tokens.len();
         for n in (NGRAM_MIN..=NGRAM_MAX.min(len.saturating_sub(1))).rev() {
             let suffix = &tokens[len - n..];
             // The most recent earlier occurrence that has a continuation.
             if let Some(start) = (0..len - n).rev().find(|&s| &tokens[s..s + n] == suffix) {
                 let from = start + n;
-                return tokens[from..(from + max).min(len)].to_vec();
+                return Draft::chain(tokens[from..(from + max).min(len)].to_vec());
             }
         }
-        Vec::new()
+        Draft::default()
     }
 }
 
@@ -101,7 +105,7 @@ pub struct IndexedNgramDrafter {
 }
 
 impl Drafter for IndexedNgramDrafter {
-    fn propose(&mut self, id: u64, tokens: &[u32], max: usize) -> Vec<u32> {
+    fn propose(&mut self, id: u64, tokens: &[u32], max: usize) -> Draft {
         let len = tokens.len();
         let retained = &mut self.retained;
         let index = self
@@ -121,10 +125,10 @@ impl Drafter for IndexedNgramDrafter {
         index.advance_to(tokens, to);
         for n in (NGRAM_MIN..=NGRAM_MAX.min(len.saturating_sub(1))).rev() {
             if let Some(&end) = index.data.get(&gram(&tokens[len - n..])) {
-                return tokens[end..(end + max).min(len)].to_vec();
+                return Draft::chain(tokens[end..(end + max).min(len)].to_vec());
             }
         }
-        Vec::new()
+        Draft::default()
     }
 
     fn finished(&mut self, id: u64) {
@@ -146,8 +150,8 @@ impl Drafter for IndexedNgramDrafter {
 pub struct SimulatedDrafter;
 
 impl Drafter for SimulatedDrafter {
-    fn propose(&mut self, _id: u64, tokens: &[u32], max: usize) -> Vec<u32> {
-        tokens.last().map_or(Vec::new(), |&t| vec![t; max])
+    fn propose(&mut self, _id: u64, tokens: &[u32], max: usize) -> Draft {
+        Draft::chain(tokens.last().map_or(Vec::new(), |&t| vec![t; max]))
     }
 }
 
@@ -197,14 +201,15 @@ pub fn simulated_accepts(accept_len: f64, drafted: usize, uniform: f64) -> usize
 }
 
 /// Tokens a decoding request may draft this step: none when `decoding` requests share the
-/// step past [`MAX_SPECULATIVE_BATCH`]; else up to `max_draft`, within the step's token
-/// `budget` left after this request's own token and within its event channel's `room`
-/// (a token per accepted draft, the bonus token and the end).
+/// step past [`MAX_SPECULATIVE_BATCH`]; else up to `max_draft` (and [`MAX_DRAFT_NODES`]),
+/// within the step's token `budget` left after this request's own token and within its
+/// event channel's `room` (a token per accepted draft, the bonus token and the end).
 pub fn draft_len(max_draft: usize, decoding: usize, budget: usize, room: usize) -> usize {
     if decoding > MAX_SPECULATIVE_BATCH {
         return 0;
     }
     max_draft
+        .min(MAX_DRAFT_NODES)
         .min(budget.saturating_sub(1))
         .min(room.saturating_sub(2))
 }
@@ -290,15 +295,18 @@ mod tests {
         let mut d = NgramDrafter;
         // "7 8 9" occurred twice; the latest is followed by 4 5.
         let tokens = [7, 8, 9, 1, 2, 3, 7, 8, 9, 4, 5, 6, 0, 7, 8, 9];
-        assert_eq!(d.propose(0, &tokens, 2), vec![4, 5]);
-        assert_eq!(d.propose(0, &tokens, 10), vec![4, 5, 6, 0, 7, 8, 9]);
+        assert_eq!(d.propose(0, &tokens, 2).tokens, vec![4, 5]);
+        assert_eq!(d.propose(0, &tokens, 10).tokens, vec![4, 5, 6, 0, 7, 8, 9]);
         assert!(
             d.propose(0, &[1, 2, 3, 4], 4).is_empty(),
             "no repeat, no draft"
         );
         assert!(d.propose(0, &[5], 4).is_empty());
         // A suffix of two matches when three do not.
-        assert_eq!(d.propose(0, &[1, 2, 9, 9, 3, 1, 2], 3), vec![9, 9, 3]);
+        assert_eq!(
+            d.propose(0, &[1, 2, 9, 9, 3, 1, 2], 3),
+            Draft::chain(vec![9, 9, 3])
+        );
     }
 
     #[test]
@@ -312,7 +320,10 @@ mod tests {
         }
         assert_eq!(simulated_accepts(9.0, 5, 0.5), 5, "at most the draft");
         assert_eq!(simulated_accepts(0.5, 5, 0.0), 0);
-        assert_eq!(SimulatedDrafter.propose(0, &[4, 9], 3), vec![9, 9, 9]);
+        assert_eq!(
+            SimulatedDrafter.propose(0, &[4, 9], 3).tokens,
+            vec![9, 9, 9]
+        );
     }
 
     #[test]
@@ -322,5 +333,6 @@ mod tests {
         assert_eq!(draft_len(4, 1, 3, 64), 2);
         assert_eq!(draft_len(4, 1, 100, 4), 2);
         assert_eq!(draft_len(4, 1, 1, 64), 0);
+        assert_eq!(draft_len(100, 1, 1000, 1000), MAX_DRAFT_NODES);
     }
 }

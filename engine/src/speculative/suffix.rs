@@ -2,19 +2,20 @@
 //! 2411.04975) in kiln's own form. Every context of 1 to [`MAX_CONTEXT`] tokens in a
 //! request's prompt and output maps to the tokens that followed it, with counts; so does
 //! every context in the recent outputs of all requests (a bounded global table: agents
-//! repeat tool calls and edits across sessions). A draft follows the most frequent
-//! continuation of the longest context matching the request's last tokens (its own table
-//! first, then the global one at each length), token by token, while the product of the
-//! chosen continuations' frequencies stays at least [`MIN_PATH_PROB`]: a long, consistent
-//! match drafts far, an ambiguous one little or nothing. A request's table is extended by
-//! the tokens appended since its last proposal (never rebuilt) and handed to its next turn
-//! ([`super::handoff`]). Drafts are chains; a token tree of the best paths waits for tree
-//! verification in the engine.
+//! repeat tool calls and edits across sessions). A draft is a token tree grown best-first
+//! ([`grow`]): a node's candidates are the continuations of the longest context matching
+//! the tokens up to it (the request's own table first, then the global one at each
+//! length), each scored by its path's probability, the product of the frequencies along
+//! it; the most probable candidate joins the tree next, while it is at least
+//! [`MIN_PATH_PROB`] and the tree is under its size limit. A long, consistent match
+//! drafts a deep chain, an ambiguous one a few short branches or nothing. A request's
+//! table is extended by the tokens appended since its last proposal (never rebuilt) and
+//! handed to its next turn ([`super::handoff`]).
 use std::collections::HashMap;
 use std::mem::size_of;
 
 use super::handoff::{Handoff, Indexed};
-use super::Drafter;
+use super::{Draft, Drafter, ROOT};
 
 /// Longest context matched, in tokens.
 pub const MAX_CONTEXT: usize = 6;
@@ -47,14 +48,71 @@ impl Continuations {
         }
     }
 
-    /// The most frequent continuation (ties: the smallest token) and its share.
-    fn best(&self) -> Option<(u32, f64)> {
-        let kept = &self.next[..self.len];
-        let total: u32 = kept.iter().map(|c| c.1).sum();
-        let most = |a: &&(u32, u32), b: &&(u32, u32)| a.1.cmp(&b.1).then(b.0.cmp(&a.0));
-        let &(token, count) = kept.iter().max_by(most)?;
-        Some((token, f64::from(count) / f64::from(total)))
+    /// The continuations with their shares, most frequent first.
+    fn shares(&self) -> Vec<(u32, f64)> {
+        by_frequency(&self.next[..self.len])
     }
+}
+
+/// `(token, count)` pairs as `(token, share)`, most frequent first (ties: smaller token).
+fn by_frequency(counts: &[(u32, u32)]) -> Vec<(u32, f64)> {
+    let total: u32 = counts.iter().map(|c| c.1).sum();
+    let mut sorted = counts.to_vec();
+    sorted.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    sorted
+        .into_iter()
+        .map(|(t, c)| (t, f64::from(c) / f64::from(total)))
+        .collect()
+}
+
+/// A draft tree of up to `max` nodes after `tokens`, grown best-first: `next(ctx)` gives
+/// the continuations of a context (the last [`MAX_CONTEXT`] tokens up to a node) with
+/// their shares; a candidate's score is its path's product of shares; the best candidate
+/// (ties: the earliest found) joins while its score is at least [`MIN_PATH_PROB`].
+fn grow(tokens: &[u32], max: usize, mut next: impl FnMut(&[u32]) -> Vec<(u32, f64)>) -> Draft {
+    struct Candidate {
+        score: f64,
+        parent: i32,
+        token: u32,
+    }
+    let mut draft = Draft::default();
+    let root: Vec<u32> = tokens[tokens.len().saturating_sub(MAX_CONTEXT)..].to_vec();
+    // Each node's context (the root's at ROOT + 1).
+    let mut contexts = vec![root];
+    let mut candidates: Vec<Candidate> = Vec::new();
+    let mut expand = |contexts: &[Vec<u32>], parent: i32, score: f64, out: &mut Vec<Candidate>| {
+        for (token, share) in next(&contexts[(parent + 1) as usize]) {
+            out.push(Candidate {
+                score: score * share,
+                parent,
+                token,
+            });
+        }
+    };
+    expand(&contexts, ROOT, 1.0, &mut candidates);
+    while draft.len() < max {
+        let best = candidates.iter().enumerate().fold(
+            None,
+            |best: Option<(usize, f64)>, (i, c)| match best {
+                Some((_, s)) if s >= c.score => best,
+                _ => Some((i, c.score)),
+            },
+        );
+        let Some((i, score)) = best.filter(|b| b.1 >= MIN_PATH_PROB) else {
+            break;
+        };
+        let c = candidates.remove(i);
+        let mut ctx = contexts[(c.parent + 1) as usize].clone();
+        ctx.push(c.token);
+        if ctx.len() > MAX_CONTEXT {
+            ctx.remove(0);
+        }
+        contexts.push(ctx);
+        draft.tokens.push(c.token);
+        draft.parents.push(c.parent);
+        expand(&contexts, draft.len() as i32 - 1, score, &mut candidates);
+    }
+    draft
 }
 
 /// Contexts (hashed) to what followed them.
@@ -106,15 +164,15 @@ pub struct SuffixDrafter {
 }
 
 impl SuffixDrafter {
-    /// The continuation of the longest context of `ctx` known, the request's own table
+    /// The continuations of the longest context of `ctx` known, the request's own table
     /// first at each length.
-    fn next(&self, own: &Table, ctx: &[u32]) -> Option<(u32, f64)> {
+    fn next(&self, own: &Table, ctx: &[u32]) -> Vec<(u32, f64)> {
         let keys: Vec<u64> = context_keys(ctx).collect();
         let tables = [own, &self.global[0], &self.global[1]];
         keys.iter()
             .rev()
             .find_map(|k| tables.iter().find_map(|t| t.get(k)))
-            .and_then(Continuations::best)
+            .map_or(Vec::new(), Continuations::shares)
     }
 
     /// Bytes the tables take, about: running requests', retained ones' and the global.
@@ -130,7 +188,7 @@ impl SuffixDrafter {
 }
 
 impl Drafter for SuffixDrafter {
-    fn propose(&mut self, id: u64, tokens: &[u32], max: usize) -> Vec<u32> {
+    fn propose(&mut self, id: u64, tokens: &[u32], max: usize) -> Draft {
         let len = tokens.len();
         let retained = &mut self.retained;
         let r = self.requests.entry(id).or_insert_with(|| RequestTables {
@@ -146,21 +204,7 @@ impl Drafter for SuffixDrafter {
         r.table.advance_to(tokens, len);
         r.output.extend(&tokens[from.max(r.output_from)..len]);
         let own = &self.requests[&id].table.data;
-        let mut ctx: Vec<u32> = tokens[len.saturating_sub(MAX_CONTEXT)..].to_vec();
-        let (mut draft, mut path) = (Vec::new(), 1.0);
-        while draft.len() < max {
-            let Some((token, share)) = self.next(own, &ctx) else {
-                break;
-            };
-            path *= share;
-            if path < MIN_PATH_PROB {
-                break;
-            }
-            draft.push(token);
-            ctx.push(token);
-            ctx.remove(0);
-        }
-        draft
+        grow(tokens, max, |ctx| self.next(own, ctx))
     }
 
     fn finished(&mut self, id: u64) {
@@ -188,38 +232,26 @@ mod tests {
     /// The drafter's proposal by brute force over `tokens` alone (no global table, every
     /// continuation counted): the oracle, exact while no context has more than
     /// [`BRANCHES`] distinct continuations.
-    fn naive(tokens: &[u32], max: usize) -> Vec<u32> {
-        let mut ctx: Vec<u32> = tokens[tokens.len().saturating_sub(MAX_CONTEXT)..].to_vec();
-        let (mut draft, mut path) = (Vec::new(), 1.0);
-        while draft.len() < max {
-            let best = (1..=MAX_CONTEXT.min(ctx.len())).rev().find_map(|k| {
-                let suffix = &ctx[ctx.len() - k..];
-                let mut counts: Vec<(u32, u32)> = Vec::new();
-                for p in k..tokens.len() {
-                    if &tokens[p - k..p] == suffix {
-                        match counts.iter_mut().find(|c| c.0 == tokens[p]) {
-                            Some(c) => c.1 += 1,
-                            None => counts.push((tokens[p], 1)),
+    fn naive(tokens: &[u32], max: usize) -> Draft {
+        grow(tokens, max, |ctx| {
+            (1..=MAX_CONTEXT.min(ctx.len()))
+                .rev()
+                .map(|k| {
+                    let suffix = &ctx[ctx.len() - k..];
+                    let mut counts: Vec<(u32, u32)> = Vec::new();
+                    for p in k..tokens.len() {
+                        if &tokens[p - k..p] == suffix {
+                            match counts.iter_mut().find(|c| c.0 == tokens[p]) {
+                                Some(c) => c.1 += 1,
+                                None => counts.push((tokens[p], 1)),
+                            }
                         }
                     }
-                }
-                let most = |a: &&(u32, u32), b: &&(u32, u32)| a.1.cmp(&b.1).then(b.0.cmp(&a.0));
-                let total: u32 = counts.iter().map(|c| c.1).sum();
-                let &(token, count) = counts.iter().max_by(most)?;
-                Some((token, f64::from(count) / f64::from(total)))
-            });
-            let Some((token, share)) = best else { break };
-            path *= share;
-            if path < MIN_PATH_PROB {
-                break;
-            }
-            draft.push(token);
-            ctx.push(token);
-            if ctx.len() > MAX_CONTEXT {
-                ctx.remove(0);
-            }
-        }
-        draft
+                    by_frequency(&counts)
+                })
+                .find(|c| !c.is_empty())
+                .unwrap_or_default()
+        })
     }
 
     proptest! {
@@ -251,11 +283,25 @@ mod tests {
         let tokens = [
             1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 9, 0, 1, 2, 3, 4, 5, 7, 1, 2,
         ];
-        assert_eq!(d.propose(0, &tokens, 3), vec![3, 4, 5]);
+        assert_eq!(d.propose(0, &tokens, 3), Draft::chain(vec![3, 4, 5]));
         // After "5": 0 twice, 7 once, so the path's share falls to 3/4 x 2/3 = 1/2 at
-        // the fourth token, and on until under MIN_PATH_PROB.
+        // the fourth token; the branch to 9 (1/4) joins before the path falls under it.
         let long = d.propose(0, &tokens, 10);
-        assert_eq!(&long[..4], &[3, 4, 5, 0]);
+        assert_eq!(&long.tokens[..4], &[3, 4, 5, 0]);
+        assert_eq!(&long.parents[..4], &[ROOT, 0, 1, 2]);
+        let nine = long
+            .tokens
+            .iter()
+            .position(|&t| t == 9)
+            .expect("the rarer branch");
+        assert_eq!(long.parents[nine], ROOT);
+        let seven = long
+            .tokens
+            .iter()
+            .position(|&t| t == 7)
+            .expect("after 5: 7");
+        assert_eq!(long.parents[seven], 2);
+        assert!(nine > 3 && seven > 3, "the likelier path first: {long:?}");
         // Nothing seen after the last token: no draft.
         assert!(d.propose(5, &[1, 2, 3, 4], 4).is_empty());
     }
@@ -272,7 +318,10 @@ mod tests {
         d.finished(1);
         // A request with another prompt that has just emitted 7 8: the global table
         // knows what followed.
-        assert_eq!(d.propose(2, &[60, 61, 7, 8], 3), vec![9, 10, 11]);
+        assert_eq!(
+            d.propose(2, &[60, 61, 7, 8], 3),
+            Draft::chain(vec![9, 10, 11])
+        );
         assert!(d.bytes() > 0);
     }
 }

@@ -317,8 +317,7 @@ pub fn mma_attention_kernel(
                     + ss[at + 32 * S_STRIDE]
                     + ss[at + 48 * S_STRIDE])
                     * softmax_scale;
-                let visible =
-                    row_valid && sees(c * 32 + col, row_pos, window, row_mask, cfg.tree);
+                let visible = row_valid && sees(c * 32 + col, row_pos, window, row_mask, cfg.tree);
                 sv[e] = select(visible, score, NEG_BIG);
                 local_max = max(local_max, sv[e]);
             }

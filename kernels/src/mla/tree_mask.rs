@@ -92,6 +92,9 @@ mod tests {
         assert_eq!(&words[..2], &[u32::MAX, u32::MAX]);
         assert_eq!(words[2], 1);
         let plain = (1u32 << 29) - 1;
-        assert_eq!(&words[31..], &[plain | 1 << 29, plain | 3 << 29, plain | 5 << 29]);
+        assert_eq!(
+            &words[31..],
+            &[plain | 1 << 29, plain | 3 << 29, plain | 5 << 29]
+        );
     }
 }

@@ -317,7 +317,7 @@ pub fn wide_attention_kernel(
                 for h in 0..2usize {
                     let col = part * 8 + e * 2 + h;
                     let visible =
-                    row_valid && sees(c * 32 + col, row_pos, window, row_mask, cfg.tree);
+                        row_valid && sees(c * 32 + col, row_pos, window, row_mask, cfg.tree);
                     sv[e * 2 + h] = select(visible, pair[h] * softmax_scale, NEG_BIG);
                     local_max = max(local_max, sv[e * 2 + h]);
                 }

@@ -221,7 +221,16 @@ fn bad_metadata_is_a_typed_error<R: Runtime>(client: &ComputeClient<R>) {
         ..meta(3)
     };
     assert_eq!(
-        mla_decode(client, &q3, heads, &cache, &masked, 0.1, &out, Precision::Bf16),
+        mla_decode(
+            client,
+            &q3,
+            heads,
+            &cache,
+            &masked,
+            0.1,
+            &out,
+            Precision::Bf16
+        ),
         Err(KernelError::Length {
             what: "tree masks",
             expected: 3,

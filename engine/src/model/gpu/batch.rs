@@ -1,7 +1,7 @@
 //! What one forward step computes: for each request, its new tokens at the end of its
 //! context, and where that context lives in the paged KV pool.
 use cubecl::prelude::*;
-use kiln_kernels::mla::{AttnMetadata, PagedKvCache};
+use kiln_kernels::mla::{tree_mask_words, AttnMetadata, PagedKvCache, MAX_TREE_NODES};
 use kiln_kernels::DeviceArray;
 
 use super::ModelError;
@@ -17,11 +17,20 @@ pub struct KvPool {
 /// `kv_len - tokens.len() .. kv_len`; `block_table` lists the pages holding positions
 /// `0..kv_len` in order. One new token is a decode step, several a prefill chunk (or a
 /// draft to verify).
+///
+/// With `tree`, the last `tree.len()` tokens are a draft tree's nodes (node 0 its root,
+/// `tree[k]` node `k`'s parent, -1 for the root): node `k`'s row is written at position
+/// `start + k` (`start = kv_len - tree.len()`), but it is rotated as the token at
+/// `start + depth(k)` and sees only the positions before `start` and its ancestors. Only
+/// the rows of the path from the root that stays `0, 1, 2, ..` are where the tokens
+/// belong afterwards; the others are rewritten by a later step.
 #[derive(Clone, Debug)]
 pub struct RequestSlice {
     pub tokens: Vec<u32>,
     pub kv_len: usize,
     pub block_table: Vec<u32>,
+    /// At most [`MAX_TREE_NODES`] nodes; `None`: causal.
+    pub tree: Option<Vec<i32>>,
 }
 
 /// Which tokens of a step get logits.
@@ -116,6 +125,8 @@ impl Batch {
             .unwrap_or(0)
             .max(1);
         let (mut tokens, mut positions, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        let mut masks = Vec::new();
+        let any_tree = self.requests.iter().any(|r| r.tree.is_some());
         let mut cu = vec![0u32];
         let mut table = vec![0u32; self.requests.len() * max_blocks];
         for (b, r) in self.requests.iter().enumerate() {
@@ -148,12 +159,29 @@ impl Batch {
                     "request {b}: token id {t} is outside the vocabulary of {vocab}"
                 ));
             }
+            let tree = r.tree.as_deref().unwrap_or(&[-1]);
+            let depths = tree_depths(tree)
+                .map_err(|e| ModelError::Batch(format!("request {b}: draft tree {tree:?}: {e}")))?;
+            if tree.len() > q.min(MAX_TREE_NODES) {
+                return bad(format!(
+                    "request {b}: a draft tree of {} nodes over {q} new tokens (at most {MAX_TREE_NODES})",
+                    tree.len()
+                ));
+            }
+            let start = r.kv_len - tree.len();
             for (i, &t) in r.tokens.iter().enumerate() {
                 let pos = r.kv_len - q + i;
                 tokens.push(t);
-                positions.push(pos as u32);
+                let rotated = match pos.checked_sub(start) {
+                    Some(node) => start + depths[node],
+                    None => pos,
+                };
+                positions.push(rotated as u32);
                 let page = r.block_table[pos / pool.page_size] as usize;
                 slots.push((page * pool.page_size + pos % pool.page_size) as u32);
+            }
+            if any_tree {
+                masks.extend(tree_mask_words(q, tree));
             }
             cu.push(tokens.len() as u32);
             table[b * max_blocks..b * max_blocks + r.block_table.len()]
@@ -174,7 +202,7 @@ impl Batch {
             kv_lens: DeviceArray::upload(client, &kv_lens),
             block_table: DeviceArray::upload(client, &table),
             max_blocks,
-            tree_masks: None,
+            tree_masks: any_tree.then(|| DeviceArray::upload(client, &masks)),
         };
         let rows: Option<Vec<u32>> = match &self.logits {
             LogitRows::All => None,
@@ -207,4 +235,21 @@ impl Batch {
             meta,
         })
     }
+}
+
+/// Each node's depth (the root's 0), or why `parents` is not a tree in index order.
+fn tree_depths(parents: &[i32]) -> Result<Vec<usize>, String> {
+    let mut depths: Vec<usize> = Vec::with_capacity(parents.len());
+    for (k, &p) in parents.iter().enumerate() {
+        match (k, p) {
+            (0, -1) => depths.push(0),
+            (0, _) => return Err(format!("the root has parent {p}")),
+            (_, p) if p >= 0 && (p as usize) < k => depths.push(depths[p as usize] + 1),
+            _ => return Err(format!("node {k} has parent {p}, not an earlier node")),
+        }
+    }
+    if depths.is_empty() {
+        return Err("no nodes".into());
+    }
+    Ok(depths)
 }
