@@ -125,6 +125,8 @@ pub struct Metrics {
     /// model's own token).
     pub spec_accept_length: Histogram,
     pub spec_drafter_bytes: Gauge,
+    /// What the draft policy decided for each decode step, by [`PolicyDecision`].
+    pub spec_policy_steps: [Counter; 4],
     pub ttft: Histogram,
     pub itl: Histogram,
 }
@@ -150,10 +152,34 @@ impl Default for Metrics {
             spec_accepted_tokens: Counter::default(),
             spec_accept_length: Histogram::new(ACCEPT_LENGTH_BOUNDS),
             spec_drafter_bytes: Gauge::default(),
+            spec_policy_steps: Default::default(),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
         }
     }
+}
+
+/// What the measured draft policy decided for a step's decoding requests, for
+/// `kiln_spec_policy_steps_total`'s `decision` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PolicyDecision {
+    /// Some request drafts.
+    Draft,
+    /// Measured, and no draft pays.
+    NoGain,
+    /// The batch's plain step has no measured time yet.
+    Unmeasured,
+    /// A plain step asked for, to measure the plain step again.
+    Probe,
+}
+
+impl PolicyDecision {
+    const ALL: [(&'static str, PolicyDecision); 4] = [
+        ("draft", PolicyDecision::Draft),
+        ("no_gain", PolicyDecision::NoGain),
+        ("unmeasured", PolicyDecision::Unmeasured),
+        ("probe", PolicyDecision::Probe),
+    ];
 }
 
 /// What a step ran, for the step-time counters' `kind` label.
@@ -302,6 +328,17 @@ impl Metrics {
             "Drafted tokens verification accepted.",
             self.spec_accepted_tokens.get(),
         );
+        let _ = writeln!(
+            out,
+            "# HELP kiln_spec_policy_steps_total Decode steps by what the measured draft \
+             policy decided: draft, no_gain (no draft pays), unmeasured (no plain step of \
+             the batch timed yet), probe (a plain step to time it again).\n\
+             # TYPE kiln_spec_policy_steps_total counter"
+        );
+        for (label, decision) in PolicyDecision::ALL {
+            let v = self.spec_policy_steps[decision as usize].get();
+            let _ = writeln!(out, "kiln_spec_policy_steps_total{{decision=\"{label}\"}} {v}");
+        }
         let kinds = [("decode", StepKind::Decode), ("prefill", StepKind::Prefill)];
         let mut labelled = |name: &str, help: &str, value: &dyn Fn(&StepTimes) -> u64| {
             let _ = writeln!(out, "# HELP kiln_{name} {help}\n# TYPE kiln_{name} counter");

@@ -24,7 +24,7 @@ use request::Request;
 pub use request::{Event, FinishReason, SamplingParams, Submission, Usage, EVENT_BUFFER};
 
 use crate::cache::{PagePool, PrefixCache};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, PolicyDecision};
 use crate::model::gpu::{Batch, LogitRows, RequestSlice};
 use crate::sampling::{sample, verify};
 use crate::speculative::policy::{draft_budgets, Acceptance, StepCosts};
@@ -321,15 +321,29 @@ impl Scheduler {
         let b = decodes.len();
         let given = match spec.policy {
             DraftPolicy::Fixed => most,
-            DraftPolicy::Measured if self.costs.probe_plain(b, now) => vec![0; b],
+            DraftPolicy::Measured if b == 0 => Vec::new(),
             DraftPolicy::Measured => {
-                let gains: Vec<Vec<f64>> = decodes
-                    .iter()
-                    .zip(most)
-                    .map(|(&i, most)| self.running[i].acceptance.gains(&self.acceptance, most))
-                    .collect();
-                let costs = &self.costs;
-                draft_budgets(&gains, |rows| costs.estimate(b, rows))
+                let decision = if self.costs.probe_plain(b, now) {
+                    PolicyDecision::Probe
+                } else if self.costs.estimate(b, b, now).is_none() {
+                    PolicyDecision::Unmeasured
+                } else {
+                    PolicyDecision::NoGain
+                };
+                let mut given = vec![0; b];
+                if decision == PolicyDecision::NoGain {
+                    let gains: Vec<Vec<f64>> = (decodes.iter().zip(most))
+                        .map(|(&i, most)| self.running[i].acceptance.gains(&self.acceptance, most))
+                        .collect();
+                    let costs = &self.costs;
+                    given = draft_budgets(&gains, |rows| costs.estimate(b, rows, now));
+                }
+                let decision = match given.iter().any(|&n| n > 0) {
+                    true => PolicyDecision::Draft,
+                    false => decision,
+                };
+                self.metrics.spec_policy_steps[decision as usize].add(1);
+                given
             }
         };
         for (i, n) in decodes.into_iter().zip(given) {

@@ -173,14 +173,21 @@ impl StepCosts {
         due && !probed
     }
 
-    /// Seconds of a step of `requests` decoding requests running `rows` tokens: measured;
-    /// else interpolated between the nearest measured row counts of that batch; else,
-    /// past the largest measured, extrapolated along the line through the two largest
-    /// (never under the largest's time), or, with only one measured, its time
-    /// (optimistic, so that drafting at this batch is tried once and its cost then known). `None` before any step of that batch was
-    /// measured at or under `rows`.
-    pub fn estimate(&self, requests: usize, rows: usize) -> Option<f64> {
-        let batch = self.seconds.range((requests, 0)..=(requests, usize::MAX));
+    /// Seconds, at `now`, of a step of `requests` decoding requests running `rows`
+    /// tokens: measured; else interpolated between the nearest measured row counts of
+    /// that batch; else, past the largest measured, extrapolated along the line through
+    /// the two largest (never under the largest's time), or, with only one measured, its
+    /// time (optimistic, so that drafting at this batch is tried once and its cost then
+    /// known). Sizes with drafts last measured [`REFRESH`] or more before `now` are left
+    /// out, so they are tried and measured again: one slow measurement (a kernel compiled
+    /// for a new size, a host hiccup) would otherwise keep the policy from ever drafting
+    /// at that size again (the plain step's time is kept: [`Self::probe_plain`] refreshes
+    /// it). `None` before any step of that batch was measured at or under `rows`.
+    pub fn estimate(&self, requests: usize, rows: usize, now: Instant) -> Option<f64> {
+        let fresh = |(&(_, r), (_, at)): &(&(usize, usize), &(VecDeque<f64>, Instant))| {
+            r == requests || now.duration_since(*at) < REFRESH
+        };
+        let batch = (self.seconds.range((requests, 0)..=(requests, usize::MAX))).filter(fresh);
         let line = |(r0, t0): (usize, f64), (r1, t1): (usize, f64)| {
             t0 + (t1 - t0) * (rows as f64 - r0 as f64) / (r1 - r0) as f64
         };
@@ -296,18 +303,34 @@ mod tests {
     #[test]
     fn step_costs_interpolate_and_try_unmeasured_sizes_once() {
         let mut c = StepCosts::default();
-        assert_eq!(c.estimate(4, 4), None);
+        let t0 = Instant::now();
+        assert_eq!(c.estimate(4, 4, t0), None);
         c.observe(4, 4, 0.010);
         c.observe(4, 12, 0.020);
-        assert_eq!(c.estimate(4, 4), Some(0.010));
-        assert!((c.estimate(4, 8).unwrap() - 0.015).abs() < 1e-12);
+        assert_eq!(c.estimate(4, 4, t0), Some(0.010));
+        assert!((c.estimate(4, 8, t0).unwrap() - 0.015).abs() < 1e-12);
         assert!(
-            (c.estimate(4, 20).unwrap() - 0.030).abs() < 1e-12,
+            (c.estimate(4, 20, t0).unwrap() - 0.030).abs() < 1e-12,
             "along the line"
         );
-        assert_eq!(c.estimate(5, 5), None, "another batch size is not this one");
+        assert_eq!(c.estimate(5, 5, t0), None, "another batch size is not this one");
         c.observe(5, 5, 0.011);
-        assert_eq!(c.estimate(5, 9), Some(0.011), "optimistic with one point");
+        assert_eq!(c.estimate(5, 9, t0), Some(0.011), "optimistic with one point");
+    }
+
+    #[test]
+    fn a_slow_size_with_drafts_is_tried_again_once_its_time_is_old() {
+        let mut c = StepCosts::default();
+        let t0 = Instant::now();
+        c.observe_at(4, 4, 0.010, t0);
+        // A drafted size first run while its kernels compiled: far too slow.
+        c.observe_at(4, 16, 0.500, t0);
+        assert_eq!(c.estimate(4, 16, t0), Some(0.500));
+        // Old, it is left out: the plain step's time stands for it, so drafting is tried.
+        let later = t0 + REFRESH;
+        assert_eq!(c.estimate(4, 16, later), Some(0.010));
+        c.observe_at(4, 16, 0.014, later);
+        assert_eq!(c.estimate(4, 16, later), Some(0.014), "the lower of two, as a median");
     }
 
     #[test]
@@ -320,11 +343,11 @@ mod tests {
         for s in [2.5, 0.010, 0.012, 0.011] {
             c.observe_at(4, 4, s, t0);
         }
-        assert_eq!(c.estimate(4, 4), Some(0.011));
+        assert_eq!(c.estimate(4, 4, t0), Some(0.011));
         for s in [0.020; RECENT_STEPS] {
             c.observe_at(4, 4, s, t0);
         }
-        assert_eq!(c.estimate(4, 4), Some(0.020), "only the latest count");
+        assert_eq!(c.estimate(4, 4, t0), Some(0.020), "only the latest count");
         assert!(!c.probe_plain(4, t0 + REFRESH / 2));
         c.observe_at(4, 12, 0.030, t0 + REFRESH);
         assert!(
