@@ -21,7 +21,7 @@ use crate::cache::CacheKind;
 use crate::metrics::{Metrics, StepKind};
 use crate::model::gpu::{Batch, GpuModel, KvPool, ModelError, RequestSlice, SyntheticQuant};
 use crate::model::Checkpoint;
-use crate::scheduler::{policy, Scheduler, SchedulerConfig, Submission};
+use crate::scheduler::{policy, Scheduler, SchedulerConfig, Scores, Submission};
 use crate::speculative::SpecConfig;
 use kiln_core::model::ModelConfig;
 
@@ -373,7 +373,11 @@ fn run<R: Runtime>(
                     StepKind::Prefill
                 };
                 let shape = step.decode_shape();
-                sched.complete(step, &out.logits, vocab);
+                let scores = match step.batch.argmax_only {
+                    true => Scores::Argmax(&out.argmax),
+                    false => Scores::Logits(&out.logits, vocab),
+                };
+                sched.complete(step, scores);
                 if let Some(shape) = shape {
                     sched.observe_step(shape, start.elapsed().as_secs_f64());
                 }

@@ -83,15 +83,16 @@ pub fn verify(
     Err(draw(&weights, total, rng).unwrap_or_else(|| argmax(logits)))
 }
 
-/// Index of the largest logit, the lowest index on ties.
+/// Index of the largest logit, the lowest index on ties, never a NaN (0 if all are), as
+/// the device's `kiln_kernels::argmax` chooses.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
+    let mut best: Option<usize> = None;
     for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+        if !l.is_nan() && best.is_none_or(|b| l > logits[b]) {
+            best = Some(i);
         }
     }
-    best as u32
+    best.unwrap_or(0) as u32
 }
 
 #[cfg(test)]

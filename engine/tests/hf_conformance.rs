@@ -437,6 +437,21 @@ fn bad_batches_are_refused<R: Runtime>(client: &ComputeClient<R>) {
     }
 }
 
+/// A step of greedy requests reads back each row's argmax, computed on the device: the
+/// argmax of the logits the same step returns otherwise.
+fn argmax_only_steps_return_the_argmax_of_the_logits<R: Runtime>(client: &ComputeClient<R>) {
+    let (ckpt, model) = device_model(client, "tiny-kimi", Precision::Exact);
+    let (tokens, _) = golden(&fixture("tiny-kimi")).pop().unwrap();
+    let (batch, pool) = whole_sequence(&model, &tokens, KvFormat::F32);
+    let logits = model.forward(&batch, &pool).unwrap();
+    let (mut greedy, pool) = whole_sequence(&model, &tokens, KvFormat::F32);
+    greedy.argmax_only = true;
+    let out = model.step(&greedy, &pool).unwrap();
+    assert!(out.logits.is_empty());
+    let vocab = ckpt.spec.arch.vocab_size;
+    assert_eq!(out.argmax, kiln_reference::argmax::argmax_rows(&logits, vocab));
+}
+
 /// A draft tree's step (speculative decoding) scores each node as the causal sequence of
 /// its path alone does: the tree mask, positions by depth and rows written by index,
 /// through every kernel; exact, and as served (bf16 operands over a bf16 cache).
@@ -506,4 +521,5 @@ kiln_backends::backend_tests! {
     other_mla_dims_are_refused,
     bad_batches_are_refused,
     a_draft_tree_scores_each_node_as_its_path_alone,
+    argmax_only_steps_return_the_argmax_of_the_logits,
 }

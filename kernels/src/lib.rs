@@ -7,6 +7,7 @@
 //! - [`mla`]: MLA attention in the absorbed (MQA) form over a paged KV cache, decode and
 //!   prefill/extend, with bf16 or FlashMLA-layout fp8 KV;
 //! - [`tree_verify`]: greedy and stochastic verification of speculative token trees;
+//! - [`argmax`]: each row's largest value's index (greedy decoding on the device);
 //! - [`moe`]: routing, dispatch to the grouped GEMM and the weighted combine;
 //! - the model's glue: [`rmsnorm`] (with the fused residual add), [`rope`], [`activation`]
 //!   (SwiGLU) and [`embedding`].
@@ -19,6 +20,7 @@
 //! for Blackwell (sm_120a), not dispatched yet.
 
 pub mod activation;
+pub mod argmax;
 pub mod blackwell;
 pub mod buffer;
 pub mod embedding;

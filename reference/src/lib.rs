@@ -16,6 +16,7 @@
 
 pub mod absorb;
 pub mod activation;
+pub mod argmax;
 pub mod data;
 pub use kiln_core::formats;
 pub mod gemm;

@@ -27,6 +27,7 @@ use crate::cache::{PagePool, PrefixCache};
 use crate::metrics::{Metrics, PolicyDecision};
 use crate::model::gpu::{Batch, LogitRows, RequestSlice};
 use crate::sampling::{sample, verify};
+use kiln_core::rng::Rng;
 use crate::speculative::policy::{draft_budgets, Acceptance, StepCosts};
 use crate::speculative::{
     draft_len, simulated_accepts, Draft, DraftPolicy, Drafter, SpecConfig, ROOT,
@@ -86,6 +87,56 @@ struct Slice {
     /// Drafted tokens run after them, to verify (each gets a logits row, as does the last
     /// of the request's own, the tree's root).
     draft: Draft,
+}
+
+/// What a step returns for each row that gets logits.
+#[derive(Clone, Copy, Debug)]
+pub enum Scores<'a> {
+    /// The rows of logits, `vocab` wide.
+    Logits(&'a [f32], usize),
+    /// Each row's argmax (a [`Batch::argmax_only`] step: greedy requests only).
+    Argmax(&'a [u32]),
+}
+
+impl<'a> Scores<'a> {
+    /// Rows `first..first + n`.
+    fn rows(self, first: usize, n: usize) -> Scores<'a> {
+        match self {
+            Scores::Logits(l, vocab) => Scores::Logits(&l[first * vocab..(first + n) * vocab], vocab),
+            Scores::Argmax(ids) => Scores::Argmax(&ids[first..first + n]),
+        }
+    }
+
+    /// Row `i`.
+    fn row(self, i: usize) -> Scores<'a> {
+        self.rows(i, 1)
+    }
+
+    /// The next token from this one row.
+    fn sample(self, temperature: f32, top_p: f32, rng: &mut Rng) -> u32 {
+        match self {
+            Scores::Logits(row, _) => sample(row, temperature, top_p, rng),
+            Scores::Argmax(ids) => greedy_only(temperature, ids[0]),
+        }
+    }
+
+    /// [`verify`] of a node's children against this one row.
+    fn verify(self, children: &[u32], temperature: f32, top_p: f32, rng: &mut Rng) -> Result<usize, u32> {
+        match self {
+            Scores::Logits(row, _) => verify(row, children, temperature, top_p, rng),
+            Scores::Argmax(ids) => {
+                let best = greedy_only(temperature, ids[0]);
+                children.iter().position(|&c| c == best).ok_or(best)
+            }
+        }
+    }
+}
+
+/// An argmax stands for a row only at temperature 0 (what [`Batch::argmax_only`] steps
+/// hold).
+fn greedy_only(temperature: f32, argmax: u32) -> u32 {
+    assert!(temperature <= 0.0, "an argmax-only step for a sampled request");
+    argmax
 }
 
 /// Waiting and running requests, the page pool and the prefix cache.
@@ -294,6 +345,10 @@ impl Scheduler {
             return None;
         }
         let mut batch = Batch::last_logits(requests);
+        // Greedy requests only: their argmax ids come back, not rows of logits.
+        batch.argmax_only = (self.running.iter())
+            .filter(|r| slices.iter().any(|s| s.id == r.id))
+            .all(|r| r.params.temperature <= 0.0);
         if slices.iter().any(|s| !s.draft.is_empty()) {
             batch.logits = LogitRows::Tails(slices.iter().map(|s| 1 + s.draft.len()).collect());
         }
@@ -460,19 +515,22 @@ impl Scheduler {
         Some(n)
     }
 
-    /// Takes the logits of `step` (a row per slice, plus one per drafted token, `vocab`
-    /// wide): advances each request, samples where a request's pending tokens are all
-    /// computed (verifying its draft first: the accepted prefix, then one token of the
-    /// model's own), sends its events and retires finished requests.
-    pub fn complete(&mut self, step: Step, logits: &[f32], vocab: usize) {
+    /// Takes the scores of `step` (a row per slice, plus one per drafted token):
+    /// advances each request, samples where a request's pending tokens are all computed
+    /// (verifying its draft first: the accepted path, then one token of the model's own),
+    /// sends its events and retires finished requests.
+    pub fn complete(&mut self, step: Step, scores: Scores) {
         let rows: usize = step.slices.iter().map(|s| 1 + s.draft.len()).sum();
-        assert_eq!(logits.len(), rows * vocab);
+        match scores {
+            Scores::Logits(logits, vocab) => assert_eq!(logits.len(), rows * vocab),
+            Scores::Argmax(ids) => assert_eq!(ids.len(), rows),
+        }
         self.metrics.steps.add(1);
         let now = Instant::now();
         let mut finished = Vec::new();
         let mut row = 0;
         for slice in &step.slices {
-            let rows = &logits[row * vocab..(row + 1 + slice.draft.len()) * vocab];
+            let rows = scores.rows(row, 1 + slice.draft.len());
             row += 1 + slice.draft.len();
             let idx = self.running.iter().position(|r| r.id == slice.id);
             let r = &mut self.running[idx.expect("a planned request is running")];
@@ -497,14 +555,14 @@ impl Scheduler {
             let (mut path, mut emitted) = (Vec::new(), Vec::new());
             let mut node = ROOT;
             loop {
-                let row = &rows[(node + 1) as usize * vocab..(node + 2) as usize * vocab];
+                let row = rows.row((node + 1) as usize);
                 let children: Vec<usize> = draft.children(node).collect();
                 let tokens: Vec<u32> = children.iter().map(|&c| draft.tokens[c]).collect();
                 let chosen = match kept {
                     Some(k) if path.len() < k && !children.is_empty() => Ok(0),
-                    Some(_) => Err(sample(row, temperature, top_p, &mut r.rng)),
-                    None if children.is_empty() => Err(sample(row, temperature, top_p, &mut r.rng)),
-                    None => verify(row, &tokens, temperature, top_p, &mut r.rng),
+                    Some(_) => Err(row.sample(temperature, top_p, &mut r.rng)),
+                    None if children.is_empty() => Err(row.sample(temperature, top_p, &mut r.rng)),
+                    None => row.verify(&tokens, temperature, top_p, &mut r.rng),
                 };
                 match chosen {
                     Ok(k) => {

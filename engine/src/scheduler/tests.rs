@@ -136,6 +136,8 @@ struct Run {
     metrics: Arc<Metrics>,
     /// Each decode step's time as the engine would measure it (none: not observed).
     cost: Option<StepCost>,
+    /// Steps that asked for argmax ids instead of logits.
+    argmax_steps: usize,
 }
 
 impl Run {
@@ -148,6 +150,7 @@ impl Run {
             kv,
             metrics,
             cost: None,
+            argmax_steps: 0,
         }
     }
 
@@ -196,7 +199,14 @@ impl Run {
         let lens = step.batch.requests.iter().map(|r| r.tokens.len()).collect();
         let logits = self.kv.step(&step.batch);
         let shape = step.decode_shape();
-        self.sched.complete(step, &logits, VOCAB);
+        // A greedy step gets each row's argmax, as the device model computes it.
+        let ids = kiln_reference::argmax::argmax_rows(&logits, VOCAB);
+        self.argmax_steps += usize::from(step.batch.argmax_only);
+        let scores = match step.batch.argmax_only {
+            true => Scores::Argmax(&ids),
+            false => Scores::Logits(&logits, VOCAB),
+        };
+        self.sched.complete(step, scores);
         if let (Some(shape), Some(cost)) = (shape, self.cost) {
             self.sched.observe_step(shape, cost(shape));
         }
@@ -728,6 +738,7 @@ fn a_tree_whose_accepted_path_is_out_of_place_gives_the_same_tokens() {
     let spec: Vec<Vec<u32>> = rxs.iter_mut().map(|rx| outcome(rx).0).collect();
     assert_eq!(plain, spec, "a tree changed greedy tokens");
     assert!(run.kv.trees > 0, "trees reached the model");
+    assert!(run.argmax_steps > 0, "greedy steps read argmax ids back");
     // Two drafted tokens and the model's own a step.
     let m = &run.metrics;
     assert!(
@@ -836,4 +847,5 @@ fn sampled_speculation_is_lossless(tree: bool) {
         "tree {tree}: {counts:?} vs {want:?}: {fit:?}"
     );
     assert_eq!(run.kv.trees > 0, tree);
+    assert_eq!(run.argmax_steps, 0, "sampled steps read logits back");
 }

@@ -57,14 +57,20 @@ pub struct Batch {
     /// Layers whose output hidden states (the residual stream after the layer, all tokens)
     /// the step also returns: what speculative drafters condition on.
     pub capture: Vec<usize>,
+    /// Return each logits row's argmax ([`StepOutput::argmax`]) instead of the row: what
+    /// a step of greedy requests needs, a token id a row read back instead of `vocab`
+    /// floats.
+    pub argmax_only: bool,
 }
 
 /// What a step returns.
 #[derive(Clone, Debug)]
 pub struct StepOutput {
     /// `[rows, vocab]` in request order: a row per token, or per request with
-    /// [`LogitRows::Last`].
+    /// [`LogitRows::Last`]; empty with [`Batch::argmax_only`].
     pub logits: Vec<f32>,
+    /// With [`Batch::argmax_only`], each row's argmax (ties to the lowest id).
+    pub argmax: Vec<u32>,
     /// `(layer, [tokens, hidden])` for each layer in [`Batch::capture`], in that order.
     pub hidden: Vec<(usize, Vec<f32>)>,
     /// Kernel launches the step issued.
@@ -92,6 +98,7 @@ impl Batch {
             requests,
             logits: LogitRows::All,
             capture: Vec::new(),
+            argmax_only: false,
         }
     }
 

@@ -2,6 +2,7 @@
 //! residual + RMSNorm (fused), dense MLP or MoE (router, dispatch, grouped experts, shared
 //! expert, combine); final norm and lm_head. Every step is one of kiln's kernels.
 use cubecl::prelude::*;
+use kiln_kernels::argmax::argmax_rows;
 use kiln_kernels::embedding::embedding;
 use kiln_kernels::gemm::gated_gemm;
 use kiln_kernels::mla::{
@@ -19,7 +20,7 @@ use super::{Attention, Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, QProj
 
 impl<R: Runtime> GpuModel<R> {
     /// Runs one step: appends the batch's tokens to the pool and returns their logits,
-    /// `[tokens, vocab]` in request order.
+    /// `[tokens, vocab]` in request order (empty for a [`Batch::argmax_only`] step).
     pub fn forward(&self, batch: &Batch, pool: &KvPool) -> Result<Vec<f32>, ModelError> {
         Ok(self.step(batch, pool)?.logits)
     }
@@ -112,9 +113,18 @@ impl<R: Runtime> GpuModel<R> {
             .collect();
         // Kernels run asynchronously: everything up to here was host work issuing them
         // (plus the reads of captured hidden states, which wait for the device).
+        let (logits, argmax) = match batch.argmax_only {
+            false => (logits.read(cl), Vec::new()),
+            true => {
+                let ids = DeviceArray::<u32>::uninit(cl, rows);
+                self.launched(argmax_rows(cl, &logits, rows, c.vocab_size, &ids))?;
+                (Vec::new(), ids.read(cl))
+            }
+        };
         let issue_seconds = issue_start.elapsed().as_secs_f64();
         Ok(StepOutput {
-            logits: logits.read(cl),
+            logits,
+            argmax,
             hidden,
             launches: self.launches.load(Ordering::Relaxed) - launches_before,
             issue_seconds,

@@ -78,6 +78,13 @@ impl<R: Runtime> ShardedModel<R> {
                 "capturing hidden states under tensor parallelism".into(),
             ));
         }
+        if batch.argmax_only {
+            // Each rank holds a slice of the vocabulary: the argmax would need their
+            // maxima reduced across ranks.
+            return Err(TpError::Unsupported(
+                "argmax-only steps under tensor parallelism".into(),
+            ));
+        }
         let layers = self.config.num_hidden_layers;
         if pool.pools.len() != self.ranks.len()
             || pool.pools.iter().any(|p| p.caches.len() != layers)

@@ -1,0 +1,99 @@
+//! The index of each row's largest value (greedy decoding on the device): only token ids
+//! leave the device, not rows of logits (163,840 floats a row at Kimi's vocabulary).
+//!
+//! One cube per row: each unit scans a strided share of the row keeping its best value and
+//! index, then the cube reduces the pairs in shared memory. Ties go to the lowest index;
+//! NaN never wins; a row with no number (all NaN) gives 0. Oracle:
+//! `kiln_reference::argmax::argmax_rows`.
+use cubecl::prelude::*;
+
+use crate::buffer::{check_index_space, check_len};
+use crate::{DeviceArray, KernelError};
+
+/// Units per cube (a power of two, for the reduction).
+const UNITS: u32 = 256;
+/// An index no row has: "nothing seen yet".
+const NONE: u32 = u32::MAX;
+
+/// `out[r] = argmax(logits[r * vocab..(r + 1) * vocab])` for `rows` rows.
+pub fn argmax_rows<R: Runtime>(
+    client: &ComputeClient<R>,
+    logits: &DeviceArray<f32>,
+    rows: usize,
+    vocab: usize,
+    out: &DeviceArray<u32>,
+) -> Result<(), KernelError> {
+    let max = client.properties().hardware.max_cube_count;
+    for (what, value, most) in [("rows", rows, max.0 as usize), ("vocab", vocab, NONE as usize - 1)] {
+        if value == 0 || value > most {
+            return Err(KernelError::Range {
+                what,
+                value,
+                min: 1,
+                max: most,
+            });
+        }
+    }
+    check_len("logits", logits, rows * vocab)?;
+    check_len("argmax output", out, rows)?;
+    check_index_space("logits", rows * vocab)?;
+    // SAFETY: lengths checked above.
+    unsafe {
+        argmax_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(rows as u32, 1, 1),
+            CubeDim::new_1d(UNITS),
+            logits.arg(),
+            out.arg(),
+            vocab as u32,
+        )
+    }
+    Ok(())
+}
+
+#[cube(launch_unchecked)]
+fn argmax_kernel(logits: &Array<f32>, out: &mut Array<u32>, vocab: u32) {
+    let row = CUBE_POS_X as usize;
+    let unit = UNIT_POS_X as usize;
+    let base = row * vocab as usize;
+    let mut best = 0.0f32;
+    let mut best_at = u32::new(NONE as i64);
+    // Ascending indices: a later equal value never replaces an earlier one.
+    for j in range_stepped(unit, vocab as usize, UNITS as usize) {
+        let v = logits[base + j];
+        if better(v, j as u32, best, best_at) {
+            best = v;
+            best_at = j as u32;
+        }
+    }
+    let mut values = SharedMemory::<f32>::new(UNITS as usize);
+    let mut indices = SharedMemory::<u32>::new(UNITS as usize);
+    values[unit] = best;
+    indices[unit] = best_at;
+    sync_cube();
+    let levels = comptime!(UNITS.trailing_zeros());
+    for level in 0..levels {
+        let stride = (UNITS as usize) >> (level + 1) as usize;
+        if unit < stride {
+            let v = values[unit + stride];
+            let at = indices[unit + stride];
+            if better(v, at, values[unit], indices[unit]) {
+                values[unit] = v;
+                indices[unit] = at;
+            }
+        }
+        sync_cube();
+    }
+    if unit == 0 {
+        let found = indices[0];
+        out[row] = select(found == NONE, 0u32, found);
+    }
+}
+
+/// Whether `(v, at)` beats `(best, best_at)`: a number against nothing, a larger number,
+/// or an equal one at a lower index.
+#[cube]
+fn better(v: f32, at: u32, best: f32, best_at: u32) -> bool {
+    let number = at != NONE && v == v;
+    number && (best_at == NONE || v > best || (v == best && at < best_at))
+}
