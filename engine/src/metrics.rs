@@ -337,7 +337,10 @@ impl Metrics {
         );
         for (label, decision) in PolicyDecision::ALL {
             let v = self.spec_policy_steps[decision as usize].get();
-            let _ = writeln!(out, "kiln_spec_policy_steps_total{{decision=\"{label}\"}} {v}");
+            let _ = writeln!(
+                out,
+                "kiln_spec_policy_steps_total{{decision=\"{label}\"}} {v}"
+            );
         }
         let kinds = [("decode", StepKind::Decode), ("prefill", StepKind::Prefill)];
         let mut labelled = |name: &str, help: &str, value: &dyn Fn(&StepTimes) -> u64| {

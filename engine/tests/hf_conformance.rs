@@ -449,7 +449,10 @@ fn argmax_only_steps_return_the_argmax_of_the_logits<R: Runtime>(client: &Comput
     let out = model.step(&greedy, &pool).unwrap();
     assert!(out.logits.is_empty());
     let vocab = ckpt.spec.arch.vocab_size;
-    assert_eq!(out.argmax, kiln_reference::argmax::argmax_rows(&logits, vocab));
+    assert_eq!(
+        out.argmax,
+        kiln_reference::argmax::argmax_rows(&logits, vocab)
+    );
 }
 
 /// A draft tree's step (speculative decoding) scores each node as the causal sequence of

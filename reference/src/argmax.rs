@@ -27,10 +27,22 @@ mod tests {
     #[test]
     fn ties_go_low_and_nan_never_wins() {
         let rows = [
-            1.0, 3.0, 3.0, -1.0, // tie: index 1
-            f32::NAN, -5.0, f32::NEG_INFINITY, -5.0, // NaN first: index 1
-            f32::NAN, f32::NAN, f32::NAN, f32::NAN, // no number: 0
-            f32::NEG_INFINITY, f32::NEG_INFINITY, f32::INFINITY, 2.0,
+            1.0,
+            3.0,
+            3.0,
+            -1.0, // tie: index 1
+            f32::NAN,
+            -5.0,
+            f32::NEG_INFINITY,
+            -5.0, // NaN first: index 1
+            f32::NAN,
+            f32::NAN,
+            f32::NAN,
+            f32::NAN, // no number: 0
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            2.0,
         ];
         assert_eq!(argmax_rows(&rows, 4), vec![1, 1, 0, 2]);
     }

@@ -27,11 +27,11 @@ use crate::cache::{PagePool, PrefixCache};
 use crate::metrics::{Metrics, PolicyDecision};
 use crate::model::gpu::{Batch, LogitRows, RequestSlice};
 use crate::sampling::{sample, verify};
-use kiln_core::rng::Rng;
 use crate::speculative::policy::{draft_budgets, Acceptance, StepCosts};
 use crate::speculative::{
     draft_len, simulated_accepts, Draft, DraftPolicy, Drafter, SpecConfig, ROOT,
 };
+use kiln_core::rng::Rng;
 
 /// Fewest pages one eviction frees when the free list runs short.
 const EVICT_BATCH: usize = 16;
@@ -102,7 +102,9 @@ impl<'a> Scores<'a> {
     /// Rows `first..first + n`.
     fn rows(self, first: usize, n: usize) -> Scores<'a> {
         match self {
-            Scores::Logits(l, vocab) => Scores::Logits(&l[first * vocab..(first + n) * vocab], vocab),
+            Scores::Logits(l, vocab) => {
+                Scores::Logits(&l[first * vocab..(first + n) * vocab], vocab)
+            }
             Scores::Argmax(ids) => Scores::Argmax(&ids[first..first + n]),
         }
     }
@@ -121,7 +123,13 @@ impl<'a> Scores<'a> {
     }
 
     /// [`verify`] of a node's children against this one row.
-    fn verify(self, children: &[u32], temperature: f32, top_p: f32, rng: &mut Rng) -> Result<usize, u32> {
+    fn verify(
+        self,
+        children: &[u32],
+        temperature: f32,
+        top_p: f32,
+        rng: &mut Rng,
+    ) -> Result<usize, u32> {
         match self {
             Scores::Logits(row, _) => verify(row, children, temperature, top_p, rng),
             Scores::Argmax(ids) => {
@@ -135,7 +143,10 @@ impl<'a> Scores<'a> {
 /// An argmax stands for a row only at temperature 0 (what [`Batch::argmax_only`] steps
 /// hold).
 fn greedy_only(temperature: f32, argmax: u32) -> u32 {
-    assert!(temperature <= 0.0, "an argmax-only step for a sampled request");
+    assert!(
+        temperature <= 0.0,
+        "an argmax-only step for a sampled request"
+    );
     argmax
 }
 

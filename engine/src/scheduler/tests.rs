@@ -605,8 +605,16 @@ fn the_measured_policy_drafts_only_where_verification_pays() {
     // the plain step, one try, then no gain.
     let decided = |d: PolicyDecision| m.spec_policy_steps[d as usize].get();
     assert!(decided(PolicyDecision::Unmeasured) + decided(PolicyDecision::Probe) >= 1);
-    assert!(decided(PolicyDecision::Draft) <= 4, "{}", decided(PolicyDecision::Draft));
-    assert!(decided(PolicyDecision::NoGain) > 10, "{}", decided(PolicyDecision::NoGain));
+    assert!(
+        decided(PolicyDecision::Draft) <= 4,
+        "{}",
+        decided(PolicyDecision::Draft)
+    );
+    assert!(
+        decided(PolicyDecision::NoGain) > 10,
+        "{}",
+        decided(PolicyDecision::NoGain)
+    );
     // Wrong drafts, verification at 10% of a step per token: acceptance falls and
     // drafting stops, where the fixed policy drafts all along.
     let (plain, _, _) = run_all(cfg.clone(), 512, hashed, &prompts, 60);

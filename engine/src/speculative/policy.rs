@@ -313,9 +313,17 @@ mod tests {
             (c.estimate(4, 20, t0).unwrap() - 0.030).abs() < 1e-12,
             "along the line"
         );
-        assert_eq!(c.estimate(5, 5, t0), None, "another batch size is not this one");
+        assert_eq!(
+            c.estimate(5, 5, t0),
+            None,
+            "another batch size is not this one"
+        );
         c.observe(5, 5, 0.011);
-        assert_eq!(c.estimate(5, 9, t0), Some(0.011), "optimistic with one point");
+        assert_eq!(
+            c.estimate(5, 9, t0),
+            Some(0.011),
+            "optimistic with one point"
+        );
     }
 
     #[test]
@@ -330,7 +338,11 @@ mod tests {
         let later = t0 + REFRESH;
         assert_eq!(c.estimate(4, 16, later), Some(0.010));
         c.observe_at(4, 16, 0.014, later);
-        assert_eq!(c.estimate(4, 16, later), Some(0.014), "the lower of two, as a median");
+        assert_eq!(
+            c.estimate(4, 16, later),
+            Some(0.014),
+            "the lower of two, as a median"
+        );
     }
 
     #[test]

@@ -24,7 +24,10 @@ pub fn argmax_rows<R: Runtime>(
     out: &DeviceArray<u32>,
 ) -> Result<(), KernelError> {
     let max = client.properties().hardware.max_cube_count;
-    for (what, value, most) in [("rows", rows, max.0 as usize), ("vocab", vocab, NONE as usize - 1)] {
+    for (what, value, most) in [
+        ("rows", rows, max.0 as usize),
+        ("vocab", vocab, NONE as usize - 1),
+    ] {
         if value == 0 || value > most {
             return Err(KernelError::Range {
                 what,

@@ -27,25 +27,42 @@ fn rows(rng: &mut Rng, rows: usize, vocab: usize) -> Vec<f32> {
 
 fn rows_argmax<R: Runtime>(client: &ComputeClient<R>) {
     let width = prop_oneof![1usize..=600, Just(163_840usize)];
-    run_cases(24, &(1usize..=5, width, any::<u64>()), |(n, vocab, seed)| {
-        let mut rng = Rng::new(seed);
-        let x = rows(&mut rng, n, vocab);
-        let out = DeviceArray::filled(client, n, u32::MAX - 1);
-        argmax_rows(client, &DeviceArray::upload(client, &x), n, vocab, &out).unwrap();
-        prop_assert_eq!(out.read(client), argmax::argmax_rows(&x, vocab));
-        Ok(())
-    });
+    run_cases(
+        24,
+        &(1usize..=5, width, any::<u64>()),
+        |(n, vocab, seed)| {
+            let mut rng = Rng::new(seed);
+            let x = rows(&mut rng, n, vocab);
+            let out = DeviceArray::filled(client, n, u32::MAX - 1);
+            argmax_rows(client, &DeviceArray::upload(client, &x), n, vocab, &out).unwrap();
+            prop_assert_eq!(out.read(client), argmax::argmax_rows(&x, vocab));
+            Ok(())
+        },
+    );
 }
 
 fn rows_without_numbers_and_bad_shapes<R: Runtime>(client: &ComputeClient<R>) {
-    let x = [f32::NAN, f32::NAN, f32::NEG_INFINITY, f32::NEG_INFINITY, 1.0, f32::INFINITY];
+    let x = [
+        f32::NAN,
+        f32::NAN,
+        f32::NEG_INFINITY,
+        f32::NEG_INFINITY,
+        1.0,
+        f32::INFINITY,
+    ];
     let out = DeviceArray::filled(client, 3, u32::MAX - 1);
     argmax_rows(client, &DeviceArray::upload(client, &x), 3, 2, &out).unwrap();
     assert_eq!(out.read(client), vec![0, 0, 1]);
     let err = argmax_rows(client, &DeviceArray::upload(client, &x), 2, 2, &out);
-    assert!(matches!(err, Err(KernelError::Length { what: "logits", .. })), "{err:?}");
+    assert!(
+        matches!(err, Err(KernelError::Length { what: "logits", .. })),
+        "{err:?}"
+    );
     let err = argmax_rows(client, &DeviceArray::upload(client, &x), 0, 6, &out);
-    assert!(matches!(err, Err(KernelError::Range { what: "rows", .. })), "{err:?}");
+    assert!(
+        matches!(err, Err(KernelError::Range { what: "rows", .. })),
+        "{err:?}"
+    );
 }
 
 kiln_backends::backend_tests! {

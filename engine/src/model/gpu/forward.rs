@@ -113,15 +113,19 @@ impl<R: Runtime> GpuModel<R> {
             .collect();
         // Kernels run asynchronously: everything up to here was host work issuing them
         // (plus the reads of captured hidden states, which wait for the device).
-        let (logits, argmax) = match batch.argmax_only {
-            false => (logits.read(cl), Vec::new()),
+        let ids = match batch.argmax_only {
+            false => None,
             true => {
                 let ids = DeviceArray::<u32>::uninit(cl, rows);
                 self.launched(argmax_rows(cl, &logits, rows, c.vocab_size, &ids))?;
-                (Vec::new(), ids.read(cl))
+                Some(ids)
             }
         };
         let issue_seconds = issue_start.elapsed().as_secs_f64();
+        let (logits, argmax) = match ids {
+            None => (logits.read(cl), Vec::new()),
+            Some(ids) => (Vec::new(), ids.read(cl)),
+        };
         Ok(StepOutput {
             logits,
             argmax,
