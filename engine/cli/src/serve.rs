@@ -14,7 +14,7 @@ use kiln::model::default_model;
 use kiln::model::tokenizer::TextCodec;
 use kiln::model::Checkpoint;
 use kiln::server::{router, AppState, KimiFormat};
-use kiln::speculative::{DraftPolicy, DrafterKind, SpecConfig};
+use kiln::speculative::{DraftPolicy, DrafterKind, SpecConfig, MAX_DRAFT_NODES};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -75,13 +75,14 @@ pub struct ServeArgs {
     client_stall_timeout: f64,
     /// Speculative decoding: off, or ngram (prompt lookup: drafts copied from where the
     /// request's last tokens occurred before, verified in the next step; the output is
-    /// the same as without, greedy or sampled), suffix (the most frequent continuation of
-    /// the longest context matching the request's last tokens, in its own tokens and in
-    /// all requests' recent outputs; as lossless), or simulate (a benchmark mode: see
-    /// --simulated-accept-len). Off above 16 decoding requests.
+    /// the same as without, greedy or sampled), suffix (token trees of the likeliest
+    /// continuations of the longest contexts matching the request's last tokens, in its
+    /// own tokens and in all requests' recent outputs, verified as trees; as lossless), or
+    /// simulate (a benchmark mode: see --simulated-accept-len). Off above 16 decoding
+    /// requests.
     #[arg(long, value_enum, default_value_t = SpeculativeArg::Off)]
     speculative: SpeculativeArg,
-    /// Most tokens a request drafts per step.
+    /// Most tokens a request drafts per step (a tree's nodes; at most 31).
     #[arg(long, default_value_t = 4, value_name = "N")]
     max_draft_tokens: usize,
     /// How many tokens each request drafts within --max-draft-tokens: measured (from the
@@ -140,6 +141,12 @@ fn speculative(args: &ServeArgs) -> anyhow::Result<Option<SpecConfig>> {
         SpeculativeArg::Suffix => DrafterKind::Suffix,
         SpeculativeArg::Simulate => DrafterKind::Simulated,
     };
+    anyhow::ensure!(
+        (1..=MAX_DRAFT_NODES).contains(&args.max_draft_tokens),
+        "--max-draft-tokens must be 1 to {MAX_DRAFT_NODES} (a draft tree and its root fill \
+         the attention kernels' 32-query mask), got {}",
+        args.max_draft_tokens
+    );
     Ok(Some(SpecConfig {
         drafter,
         max_draft: args.max_draft_tokens,

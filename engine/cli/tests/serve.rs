@@ -429,6 +429,33 @@ async fn a_synthetic_rank_serves_token_ids_end_to_end() {
 }
 
 #[test]
+fn impossible_speculation_flags_fail_at_start_up_with_the_flag_named() {
+    for (args, says) in [
+        (
+            vec!["--speculative", "suffix", "--max-draft-tokens", "32"],
+            "--max-draft-tokens must be 1 to 31",
+        ),
+        (
+            vec!["--speculative", "ngram", "--max-draft-tokens", "0"],
+            "--max-draft-tokens must be 1 to 31",
+        ),
+        (
+            vec!["--simulated-accept-len", "2"],
+            "--speculative simulate and --simulated-accept-len go together",
+        ),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .arg("serve")
+            .args(&args)
+            .output()
+            .expect("kiln runs");
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
 fn impossible_synthetic_cuts_fail_at_start_up_with_the_flag_named() {
     for (args, says) in [
         (
