@@ -15,7 +15,7 @@ use std::sync::Arc;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use kiln::cache::{PagePool, PrefixCache, RadixCache};
 use kiln::metrics::Metrics;
-use kiln::scheduler::{SamplingParams, Scheduler, SchedulerConfig, Submission};
+use kiln::scheduler::{SamplingParams, Scheduler, SchedulerConfig, Scores, Submission};
 use kiln::speculative::{Drafter, IndexedNgramDrafter, SuffixDrafter};
 use kiln_core::rng::Rng;
 
@@ -122,13 +122,13 @@ fn scheduling(c: &mut Criterion) {
     while sched.decoding() < 256 {
         let step = sched.schedule().expect("work");
         let rows = step.batch.requests.len();
-        sched.complete(step, &logits[..rows * VOCAB], VOCAB);
+        sched.complete(step, Scores::Logits(&logits[..rows * VOCAB], VOCAB));
     }
     c.bench_function("scheduling step, 256 running decode requests", |b| {
         b.iter(|| {
             let step = sched.schedule().expect("work");
             assert_eq!(step.batch.requests.len(), 256, "{}", sched.describe());
-            sched.complete(step, &logits, VOCAB);
+            sched.complete(step, Scores::Logits(&logits, VOCAB));
             for rx in &mut receivers {
                 while rx.try_recv().is_ok() {}
             }
@@ -163,7 +163,8 @@ fn drafting(c: &mut Criterion) {
 
 /// One drafter's first proposal for a 100k-token request, for an agent's next turn (the
 /// previous turn's index retained and taken over, so only its new 512 tokens are
-/// indexed), and its steady-state step.
+/// indexed), and its steady-state step; drafts of up to 16 tokens (the suffix drafter's
+/// trees grow to as many nodes as its paths' scores allow).
 fn drafter_benches<D: Drafter>(
     c: &mut Criterion,
     name: &str,
@@ -171,7 +172,7 @@ fn drafter_benches<D: Drafter>(
     context: &[u32],
     next_turn: &[u32],
 ) {
-    const DRAFT: usize = 4;
+    const DRAFT: usize = 16;
     c.bench_function(
         &format!("{name} drafting, first proposal of a 100k-token request"),
         |b| {
