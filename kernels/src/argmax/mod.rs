@@ -97,6 +97,6 @@ fn argmax_kernel(logits: &Array<f32>, out: &mut Array<u32>, vocab: u32) {
 /// or an equal one at a lower index.
 #[cube]
 fn better(v: f32, at: u32, best: f32, best_at: u32) -> bool {
-    let number = at != NONE && v == v;
+    let number = at != NONE && !v.is_nan();
     number && (best_at == NONE || v > best || (v == best && at < best_at))
 }
