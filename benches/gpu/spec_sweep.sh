@@ -11,7 +11,9 @@
 #   e.g. benches/gpu/spec_sweep.sh 4 bf16 5 "2 4 6" "1 4 16" 20 0.1 measured
 #
 # POLICY is --draft-policy (measured, the default, or fixed: every request drafts DRAFT).
-# Results under $OUT/spec-L<layers>-<kv>-d<draft>-<policy>/ (bench-off.json, bench-a<L>.json);
+# Results under $OUT/spec-L<layers>-<kv>-d<draft>-<policy>/ (bench-off.json, bench-a<L>.json,
+# and per concurrency bench-<name>-c<C>.json with the server's metrics-<name>-c<C>.txt after
+# it: counters are cumulative, so a phase's are the difference from the one before);
 # benches/gpu/spec_report.py summarises.
 set -euo pipefail
 layers=$1 kv=$2 draft=$3 accepts=$4 sweep=$5 duration=$6 scale=$7 policy=${8:-measured}
@@ -34,10 +36,20 @@ for a in off $accepts; do
   for _ in $(seq 400); do curl -sf localhost:8765/health >/dev/null && break; sleep 0.5; done
   echo "accept $a: serving after $(( $(date +%s) - start )) s" | tee -a "$out/startup.txt"
   name=$([ "$a" = off ] && echo off || echo "a$a")
-  .gpu/kiln bench --url http://127.0.0.1:8765 --sweep "$(echo $sweep | tr ' ' ',')" \
-    --duration "$duration" --scale "$scale" --think-scale 0 --max-token-id 40000 --quiet \
-    --json "$out/bench-$name.json" 2>&1 | tee "$out/bench-$name.log"
-  curl -s localhost:8765/metrics > "$out/metrics-$name.txt"
+  # One kiln bench per concurrency, with /metrics after each (the draft policy's counters
+  # by phase), then their points in one file.
+  for c in $sweep; do
+    .gpu/kiln bench --url http://127.0.0.1:8765 --sweep "$c" \
+      --duration "$duration" --scale "$scale" --think-scale 0 --max-token-id 40000 --quiet \
+      --json "$out/bench-$name-c$c.json" 2>&1 | tee -a "$out/bench-$name.log"
+    curl -s localhost:8765/metrics > "$out/metrics-$name-c$c.txt"
+  done
+  python3 - "$out/bench-$name.json" $(for c in $sweep; do echo "$out/bench-$name-c$c.json"; done) <<'PY'
+import json, sys
+runs = [json.load(open(p)) for p in sys.argv[2:]]
+merged = dict(runs[0], points=[p for r in runs for p in r["points"]])
+json.dump(merged, open(sys.argv[1], "w"), indent=1)
+PY
   kill $pid; wait $pid 2>/dev/null || true
   trap - EXIT
 done
