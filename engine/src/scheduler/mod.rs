@@ -330,10 +330,13 @@ impl Scheduler {
         self.publish();
         drafts.resize(self.running.len(), Draft::default());
         let (mut requests, mut slices) = (Vec::new(), Vec::new());
+        // Greedy requests only: their argmax ids come back, not rows of logits.
+        let mut greedy = true;
         for ((r, &n), draft) in self.running.iter().zip(&plan).zip(drafts) {
             if n == 0 {
                 continue;
             }
+            greedy &= r.params.temperature <= 0.0;
             let kv_len = r.computed + n;
             let own = n - draft.len();
             let mut tokens = r.tokens[r.computed..r.computed + own].to_vec();
@@ -356,10 +359,7 @@ impl Scheduler {
             return None;
         }
         let mut batch = Batch::last_logits(requests);
-        // Greedy requests only: their argmax ids come back, not rows of logits.
-        batch.argmax_only = (self.running.iter())
-            .filter(|r| slices.iter().any(|s| s.id == r.id))
-            .all(|r| r.params.temperature <= 0.0);
+        batch.argmax_only = greedy;
         if slices.iter().any(|s| !s.draft.is_empty()) {
             batch.logits = LogitRows::Tails(slices.iter().map(|s| 1 + s.draft.len()).collect());
         }
