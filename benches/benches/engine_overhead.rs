@@ -123,6 +123,10 @@ fn scheduling(c: &mut Criterion) {
         let step = sched.schedule().expect("work");
         let rows = step.batch.requests.len();
         sched.complete(step, Scores::Logits(&logits[..rows * VOCAB], VOCAB));
+        // Read the tokens as clients do: a full channel pauses its request.
+        for rx in &mut receivers {
+            while rx.try_recv().is_ok() {}
+        }
     }
     c.bench_function("scheduling step, 256 running decode requests", |b| {
         b.iter(|| {
