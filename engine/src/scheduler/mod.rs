@@ -431,6 +431,8 @@ impl Scheduler {
         };
         let r = &self.running[i];
         let room = r.events.capacity();
+        // The budget past its pending tokens but one: `draft_len` keeps a token for that one.
+        let budget = budget.saturating_sub(r.pending().saturating_sub(1));
         let max = draft_len(spec.max_draft, decoding, budget, room).min(most);
         if max == 0 {
             return Draft::default();

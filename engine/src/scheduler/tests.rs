@@ -759,6 +759,28 @@ fn a_tree_whose_accepted_path_is_out_of_place_gives_the_same_tokens() {
     assert!(lengths.sum() / lengths.count() as f64 > 2.5);
 }
 
+/// Out-of-place accepted tokens leave several pending: their draft still fits the step's
+/// token budget, however small it is.
+#[test]
+fn drafts_after_out_of_place_tokens_fit_a_small_step_budget() {
+    for budget in [5, 6, 7, 9] {
+        let mut cfg = config(4, budget, 4);
+        cfg.eos_token_ids.clear();
+        let prompts: Vec<Vec<u32>> = (0..5).map(periodic_prompt).collect();
+        let (plain, _, _) = run_all(cfg.clone(), 512, periodic, &prompts, 30);
+        let mut run = Run::new(speculative(cfg, 4), 512);
+        run.kv.model = periodic;
+        run.sched.drafter = Some(Box::new(DecoyTree));
+        let mut rxs: Vec<_> = (0..prompts.len())
+            .map(|i| run.submit(i as u64, prompts[i].clone(), 30))
+            .collect();
+        run.run_to_end();
+        let spec: Vec<Vec<u32>> = rxs.iter_mut().map(|rx| outcome(rx).0).collect();
+        assert_eq!(plain, spec, "budget {budget}");
+        assert!(run.kv.trees > 0, "budget {budget}: trees reached the model");
+    }
+}
+
 /// `P(tokens[pos] = t)` over the model's own sampling, computed exactly from the model.
 fn exact_marginal(model: Model, prompt: &[u32], pos: usize) -> Vec<f64> {
     fn probs(model: Model, ctx: &[u32]) -> Vec<f64> {
