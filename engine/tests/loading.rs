@@ -198,6 +198,37 @@ fn bad_configs_name_the_problem() {
     assert!(ModelSpec::from_json("{ not json").is_err());
 }
 
+/// `rope_parameters` as transformers 5.25's `save_pretrained` writes it for a config made
+/// with a transformers 4 style `rope_scaling` (`type`): both spellings of the kind.
+const ROPE_AS_TRANSFORMERS_5_WRITES_IT: &str = r#""rope_parameters": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "rope_theta": 50000.0, "rope_type": "yarn", "type": "yarn"},"#;
+
+#[test]
+fn rope_kinds_are_read_in_every_spelling_transformers_writes() {
+    let config = |rope: &str| {
+        TINY_CONFIG
+            .replace("\"rope_theta\": 10000.0,", rope)
+            .replace("QUANT", "")
+    };
+    let both = ModelSpec::from_json(&config(ROPE_AS_TRANSFORMERS_5_WRITES_IT)).unwrap();
+    assert_eq!(both.arch.rope.factor, 32.0);
+    assert_eq!(both.arch.rope.rope_theta, 50000.0);
+    assert_eq!(both.arch.rope.original_max_position_embeddings, 4096);
+    for one in [r#""type": "yarn","#, r#""rope_type": "yarn","#] {
+        let rope = ROPE_AS_TRANSFORMERS_5_WRITES_IT
+            .replace(r#", "rope_type": "yarn", "type": "yarn""#, "")
+            .replace(r#""beta_fast""#, &format!(r#"{one} "beta_fast""#));
+        let spec = ModelSpec::from_json(&config(&rope)).unwrap();
+        assert_eq!(spec.arch.rope, both.arch.rope, "{one}");
+    }
+    let clash =
+        ROPE_AS_TRANSFORMERS_5_WRITES_IT.replace(r#""type": "yarn""#, r#""type": "linear""#);
+    let err = ModelSpec::from_json(&config(&clash)).unwrap_err();
+    assert!(
+        err.contains("rope_type \"yarn\" and type \"linear\""),
+        "{err}"
+    );
+}
+
 #[test]
 fn kimi_k25_reads_the_nested_text_config() {
     let inner = TINY_CONFIG

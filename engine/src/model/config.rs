@@ -44,11 +44,13 @@ enum TokenIds {
 }
 
 /// `rope_scaling` (transformers 4 and the original checkpoints) or `rope_parameters`
-/// (transformers 5, which also moves `rope_theta` inside).
+/// (transformers 5, which also moves `rope_theta` inside). The kind is `type` in older
+/// configs and `rope_type` in newer ones; transformers 5 writes both.
 #[derive(Deserialize)]
 struct RopeScaling {
-    #[serde(default, alias = "type")]
     rope_type: Option<String>,
+    #[serde(rename = "type")]
+    legacy_type: Option<String>,
     rope_theta: Option<f64>,
     factor: Option<f64>,
     original_max_position_embeddings: Option<usize>,
@@ -56,6 +58,18 @@ struct RopeScaling {
     beta_slow: Option<f64>,
     mscale: Option<f64>,
     mscale_all_dim: Option<f64>,
+}
+
+impl RopeScaling {
+    /// The rope kind, from whichever spelling the config has; both must agree.
+    fn kind(&self) -> Result<Option<&str>, String> {
+        match (self.rope_type.as_deref(), self.legacy_type.as_deref()) {
+            (Some(a), Some(b)) if a != b => Err(format!(
+                "rope_scaling names two kinds: rope_type {a:?} and type {b:?}"
+            )),
+            (a, b) => Ok(a.or(b)),
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -190,9 +204,10 @@ fn architecture(c: &RawConfig) -> Result<ModelConfig, String> {
         .and_then(|s| s.rope_theta)
         .or(c.rope_theta)
         .unwrap_or(10000.0);
+    let kind = scaling.map(RopeScaling::kind).transpose()?.flatten();
     let rope = match scaling {
-        Some(s) if s.rope_type.as_deref() == Some("default") => plain_rope(c, rope_theta),
-        Some(s) if s.rope_type.as_deref().is_none_or(|t| t == "yarn") => YarnConfig {
+        Some(_) if kind == Some("default") => plain_rope(c, rope_theta),
+        Some(s) if kind.is_none_or(|t| t == "yarn") => YarnConfig {
             rope_theta,
             factor: s.factor.unwrap_or(1.0),
             original_max_position_embeddings: need(
@@ -204,11 +219,8 @@ fn architecture(c: &RawConfig) -> Result<ModelConfig, String> {
             mscale: s.mscale.unwrap_or(1.0),
             mscale_all_dim: s.mscale_all_dim.unwrap_or(0.0),
         },
-        Some(s) => {
-            return Err(format!(
-                "rope_scaling type {:?} is not supported",
-                s.rope_type
-            ));
+        Some(_) => {
+            return Err(format!("rope_scaling type {kind:?} is not supported"));
         }
         None => plain_rope(c, rope_theta),
     };
