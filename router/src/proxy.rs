@@ -15,13 +15,14 @@
 
 use crate::placer::Placer;
 use crate::replicas::ReplicaSource;
-use crate::session::{session_key, SessionKey, SESSION_HEADER};
+use crate::session::{session_key, SessionKey};
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderName, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use futures_util::StreamExt;
+use kiln_core::session::session_of;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -126,10 +127,7 @@ async fn proxy(State(state): State<Arc<AppState>>, request: Request) -> Response
             )
         }
     };
-    let header = parts
-        .headers
-        .get(SESSION_HEADER)
-        .and_then(|v| v.to_str().ok());
+    let header = session_of(|name| parts.headers.get(name).and_then(|v| v.to_str().ok()));
     let key = session_key(header, &body);
     let mut exclude = None;
     for attempt in 0..2 {

@@ -1,6 +1,7 @@
 //! Session keys: which requests belong to one agent session and should share a replica.
 //!
-//! The key is the `x-session-id` header when the client sends one. Otherwise it is a
+//! The key is the session header when the client sends one (`x-session-id`, or a coding
+//! agent's own: `kiln_core::session::SESSION_HEADERS`). Otherwise it is a
 //! hash of the start of the conversation, which every later turn of the same session
 //! re-sends unchanged: for chat requests the messages up to and including the first
 //! `user` message (the system prompt alone is shared by every session of one agent, so
@@ -10,9 +11,6 @@
 
 use crate::hashing::hash_bytes;
 use serde_json::Value;
-
-/// The request header that names a session.
-pub const SESSION_HEADER: &str = "x-session-id";
 
 /// Bytes of a completion prompt hashed when there is no session header.
 pub const PROMPT_PREFIX_BYTES: usize = 4096;
@@ -24,7 +22,7 @@ pub const PREFIX_TOKENS: usize = 1024;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SessionKey(pub u64);
 
-/// The session key of a request from its `x-session-id` header value and its body.
+/// The session key of a request from its session header's value and its body.
 pub fn session_key(header: Option<&str>, body: &[u8]) -> Option<SessionKey> {
     if let Some(id) = header.map(str::trim).filter(|id| !id.is_empty()) {
         return Some(SessionKey(hash_bytes(format!("header:{id}").as_bytes())));

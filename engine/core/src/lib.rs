@@ -10,8 +10,10 @@
 //! - [`nvfp4`]: [`nvfp4::Nvfp4Matrix`], ModelOpt's NVFP4 layout and its quantizer.
 //! - [`rope`]: [`rope::YarnConfig`], inverse frequencies, cos/sin and softmax scales.
 //! - [`rng`]: [`rng::Rng`], seeded xoshiro256**.
+//! - [`session`]: the request headers that name an agent session.
 pub mod formats;
 pub mod model;
 pub mod nvfp4;
 pub mod rng;
 pub mod rope;
+pub mod session;

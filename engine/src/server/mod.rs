@@ -3,8 +3,8 @@
 //!
 //! Every request is parsed and checked here (a bad one gets an OpenAI-format 4xx and never
 //! reaches the engine: unknown fields and fields the server cannot honour are refused, not
-//! ignored), then queued; tokens stream back as the engine makes them. The `x-session-id`
-//! header is logged with each request (the router keys affinity on it). Tokenizing and chat
+//! ignored), then queued; tokens stream back as the engine makes them. The session header
+//! (`kiln_core::session`) is logged with each request (the router keys affinity on it). Tokenizing and chat
 //! rendering run on a bounded pool of blocking threads, so `/health` and small requests
 //! never wait behind a large prompt. On shutdown the server drains ([`AppState::drain`]):
 //! `/health` and new requests get 503, requests in flight finish or, past the deadline,
@@ -211,11 +211,9 @@ impl AppState {
     }
 }
 
-/// The `x-session-id` header, if any.
+/// The session the request names (`x-session-id`, or an agent's own header), if any.
 fn session_id(headers: &HeaderMap) -> Option<String> {
-    headers
-        .get("x-session-id")
-        .and_then(|v| v.to_str().ok())
+    kiln_core::session::session_of(|name| headers.get(name).and_then(|v| v.to_str().ok()))
         .map(str::to_string)
 }
 
