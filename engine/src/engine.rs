@@ -19,7 +19,9 @@ use kiln_kernels::Precision;
 
 use crate::cache::CacheKind;
 use crate::metrics::{Metrics, StepKind};
-use crate::model::gpu::{Batch, GpuModel, KvPool, ModelError, RequestSlice, SyntheticQuant};
+use crate::model::gpu::{
+    Batch, GpuModel, HostKv, KvPool, ModelError, RequestSlice, SyntheticQuant,
+};
 use crate::model::Checkpoint;
 use crate::scheduler::{policy, Scheduler, SchedulerConfig, Scores, Submission};
 use crate::speculative::SpecConfig;
@@ -91,6 +93,9 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     pub max_running: usize,
     pub cache: CacheKind,
+    /// Host RAM for the prefix cache's host tier, in bytes (0: no tier; the flat cache has
+    /// none).
+    pub host_kv_bytes: u64,
     /// How long a request may wait on a client that reads none of its output before it is
     /// aborted (its output is held in a bounded buffer meanwhile).
     pub stall_timeout: Duration,
@@ -272,7 +277,16 @@ impl BackendVisitor for Runner {
             stall_timeout: self.cfg.stall_timeout,
             speculative: self.cfg.speculative,
         };
-        let cache = self.cfg.cache.build(page);
+        let host_slots =
+            (self.cfg.host_kv_bytes / HostKv::slot_bytes(&pool).max(1) as u64) as usize;
+        let mut host = HostKv::new(&pool, host_slots);
+        tracing::info!(
+            pages = host_slots,
+            gib = self.cfg.host_kv_bytes as f64 / (1u64 << 30) as f64,
+            "host KV tier"
+        );
+        self.metrics.kv_host_total_pages.set(host_slots as f64);
+        let cache = self.cfg.cache.build(page, host_slots);
         let mut sched = Scheduler::new(sched_cfg, pages, cache, self.metrics.clone());
         let vocab = info.vocab_size;
         if let Err(e) = warm_up(&model, &pool, page, pages) {
@@ -284,6 +298,7 @@ impl BackendVisitor for Runner {
         run(
             &model,
             &pool,
+            &mut host,
             &mut sched,
             &self.requests,
             vocab,
@@ -338,6 +353,7 @@ fn warm_up<R: Runtime>(
 fn run<R: Runtime>(
     model: &GpuModel<R>,
     pool: &KvPool,
+    host: &mut HostKv,
     sched: &mut Scheduler,
     requests: &Receiver<Submission>,
     vocab: usize,
@@ -363,8 +379,14 @@ fn run<R: Runtime>(
             std::thread::sleep(Duration::from_millis(1));
             continue;
         };
+        let copied = host.apply(model.client(), pool, &step.copies);
         let planned = Instant::now();
-        match model.step(&step.batch, pool) {
+        let out = copied.map_err(ModelError::from).and_then(|copied| {
+            metrics.kv_bytes_to_host.add(copied.to_host);
+            metrics.kv_bytes_to_device.add(copied.to_device);
+            model.step(&step.batch, pool)
+        });
+        match out {
             Ok(out) => {
                 let ran = Instant::now();
                 let kind = if step.is_decode() {

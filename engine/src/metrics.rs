@@ -107,8 +107,17 @@ pub struct Metrics {
     pub kv_usage: Gauge,
     pub kv_cached_pages: Gauge,
     pub kv_total_pages: Gauge,
+    /// The host tier: slots in use, slots in all, and pages copied each way.
+    pub kv_host_pages: Gauge,
+    pub kv_host_total_pages: Gauge,
+    pub kv_pages_to_host: Counter,
+    pub kv_pages_to_device: Counter,
+    pub kv_bytes_to_host: Counter,
+    pub kv_bytes_to_device: Counter,
     pub prompt_tokens: Counter,
+    /// Prompt tokens served from the cache, and those of them that came from the host tier.
     pub cached_tokens: Counter,
+    pub host_cached_tokens: Counter,
     pub generation_tokens: Counter,
     pub requests_finished: Counter,
     pub requests_aborted: Counter,
@@ -139,8 +148,15 @@ impl Default for Metrics {
             kv_usage: Gauge::default(),
             kv_cached_pages: Gauge::default(),
             kv_total_pages: Gauge::default(),
+            kv_host_pages: Gauge::default(),
+            kv_host_total_pages: Gauge::default(),
+            kv_pages_to_host: Counter::default(),
+            kv_pages_to_device: Counter::default(),
+            kv_bytes_to_host: Counter::default(),
+            kv_bytes_to_device: Counter::default(),
             prompt_tokens: Counter::default(),
             cached_tokens: Counter::default(),
+            host_cached_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             requests_finished: Counter::default(),
             requests_aborted: Counter::default(),
@@ -267,6 +283,16 @@ impl Metrics {
             self.kv_total_pages.get(),
         );
         gauge(
+            "kv_host_pages",
+            "KV pages the host tier holds.",
+            self.kv_host_pages.get(),
+        );
+        gauge(
+            "kv_host_total_pages",
+            "KV pages the host tier can hold.",
+            self.kv_host_total_pages.get(),
+        );
+        gauge(
             "spec_drafter_bytes",
             "Host memory the speculative drafter's tables hold, about.",
             self.spec_drafter_bytes.get(),
@@ -291,6 +317,31 @@ impl Metrics {
             "cached_tokens_total",
             "Prompt tokens served from the prefix cache.",
             self.cached_tokens.get(),
+        );
+        counter(
+            "host_cached_tokens_total",
+            "Prompt tokens served from the prefix cache's host tier (copied back to the device).",
+            self.host_cached_tokens.get(),
+        );
+        counter(
+            "kv_pages_to_host_total",
+            "KV pages copied from the device to the host tier.",
+            self.kv_pages_to_host.get(),
+        );
+        counter(
+            "kv_pages_to_device_total",
+            "KV pages copied from the host tier back to the device.",
+            self.kv_pages_to_device.get(),
+        );
+        counter(
+            "kv_bytes_to_host_total",
+            "Bytes of KV copied from the device to the host tier.",
+            self.kv_bytes_to_host.get(),
+        );
+        counter(
+            "kv_bytes_to_device_total",
+            "Bytes of KV copied from the host tier back to the device.",
+            self.kv_bytes_to_device.get(),
         );
         counter(
             "generation_tokens_total",

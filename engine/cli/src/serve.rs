@@ -59,9 +59,16 @@ pub struct ServeArgs {
     /// Most requests waiting; beyond it new requests get 503.
     #[arg(long, default_value_t = 4096)]
     max_queued_requests: usize,
-    /// Prefix cache: radix (default) or flat (the naive oracle; slow on large caches).
+    /// Prefix cache: radix (default) or flat (the naive oracle; slow on large caches, and
+    /// without a host tier).
     #[arg(long, value_enum, default_value_t = PrefixCacheArg::Radix)]
     prefix_cache: PrefixCacheArg,
+    /// Host RAM for the prefix cache's second tier, in GiB: pages evicted from the device
+    /// pool are copied there, and a later request that reaches them copies them back
+    /// instead of recomputing them (0: off). Default: a quarter of the machine's RAM. Used
+    /// as pages are evicted, not reserved at start.
+    #[arg(long, value_name = "GIB")]
+    host_kv_gib: Option<f64>,
     /// Model name in the API (default: the directory's name, or kiln-default).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -118,6 +125,26 @@ enum SpeculativeArg {
 enum DraftPolicyArg {
     Measured,
     Fixed,
+}
+
+/// `--host-kv-gib` in bytes; without it a quarter of the machine's RAM (none where the
+/// RAM is unknown).
+fn host_kv_bytes(gib: Option<f64>) -> anyhow::Result<u64> {
+    match gib {
+        Some(g) => {
+            anyhow::ensure!(g >= 0.0 && g.is_finite(), "--host-kv-gib must be 0 or more");
+            Ok((g * (1u64 << 30) as f64) as u64)
+        }
+        None => Ok(total_ram_bytes().unwrap_or(0) / 4),
+    }
+}
+
+/// `MemTotal` of /proc/meminfo.
+fn total_ram_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// `--speculative` and its flags, checked.
@@ -255,6 +282,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_batch_tokens: args.max_batch_tokens,
         max_running: args.max_running_requests,
         cache: args.prefix_cache.into(),
+        host_kv_bytes: host_kv_bytes(args.host_kv_gib)?,
         stall_timeout,
         speculative: speculative(&args)?,
     };

@@ -547,3 +547,54 @@ async fn speculative_decoding_over_http_gives_the_same_greedy_tokens() {
     assert!(verified > 0, "meta_info reports verification steps");
     eprintln!("accepted {accepted} drafted tokens over {verified} verification steps");
 }
+
+/// Agent sessions whose histories outgrow the device pool (12 pages of 16 tokens for six
+/// sessions of up to ~180 tokens), turn after turn: with the host tier the later turns hit
+/// what the device pool evicted (copied back), and the greedy outputs are those of a
+/// server whose pool holds everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_turns_hit_the_host_tier_and_answer_as_a_pool_that_holds_everything() {
+    let tiered = Server::start(&[
+        "--page-size",
+        "16",
+        "--kv-pages",
+        "12",
+        "--host-kv-gib",
+        "0.1",
+    ]);
+    let roomy = Server::start(&[
+        "--page-size",
+        "16",
+        "--kv-pages",
+        "256",
+        "--host-kv-gib",
+        "0",
+    ]);
+    let mut histories: Vec<Vec<u32>> = (0..6u32).map(|s| vec![30 + s, 31, 32]).collect();
+    let mut later_cached = Vec::new();
+    for turn in 0..4u32 {
+        for (s, history) in histories.iter_mut().enumerate() {
+            history.extend((0..36u32).map(|t| 40 + (t * 13 + turn * 7 + s as u32 * 31) % 400));
+            let body = json!({"input_ids": history, "sampling_params": {"max_new_tokens": 6,
+                              "temperature": 0, "ignore_eos": true}})
+            .to_string();
+            let (sa, a) = post(&format!("{}/generate", tiered.url), body.clone(), None).await;
+            let (sb, b) = post(&format!("{}/generate", roomy.url), body, None).await;
+            assert_eq!((sa, sb), (200, 200), "{a} {b}");
+            assert_eq!(a["output_ids"], b["output_ids"], "session {s}, turn {turn}");
+            if turn > 0 {
+                later_cached.push(a["meta_info"]["cached_tokens"].as_u64().unwrap());
+            }
+            let ids = a["output_ids"].as_array().unwrap();
+            history.extend(ids.iter().map(|v| v.as_u64().unwrap() as u32));
+        }
+    }
+    assert!(
+        later_cached.iter().all(|&c| c >= 32),
+        "every later turn hits its history: {later_cached:?}"
+    );
+    assert!(tiered.metric("kiln_host_cached_tokens_total") > 0.0);
+    assert!(tiered.metric("kiln_kv_bytes_to_host_total") > 0.0);
+    assert!(tiered.metric("kiln_kv_bytes_to_device_total") > 0.0);
+    assert!(tiered.metric("kiln_kv_host_pages") > 0.0);
+}

@@ -1,7 +1,8 @@
 //! The naive prefix cache: a flat list of cached sequences, each compared in full on every
 //! lookup. Obviously correct and slow (linear in everything cached); the radix tree's
-//! test oracle, selectable with `--prefix-cache flat`.
-use super::{PagePool, PrefixCache};
+//! test oracle, selectable with `--prefix-cache flat`. It has no host tier: evicted pages
+//! are forgotten.
+use super::{Hit, PagePool, PrefixCache};
 
 #[derive(Debug)]
 struct Entry {
@@ -58,13 +59,20 @@ impl FlatCache {
 }
 
 impl PrefixCache for FlatCache {
-    fn lookup(&mut self, tokens: &[u32]) -> Vec<u32> {
+    fn lookup(&mut self, tokens: &[u32]) -> Hit {
         self.clock += 1;
         let Some((i, n)) = self.best(tokens) else {
-            return Vec::new();
+            return Hit::default();
         };
         self.entries[i].last_access = self.clock;
-        self.entries[i].pages[..n].to_vec()
+        Hit {
+            device: self.entries[i].pages[..n].to_vec(),
+            host: 0,
+        }
+    }
+
+    fn promote(&mut self, _: &[u32], _: usize, _: &[u32], _: &mut PagePool) -> usize {
+        0
     }
 
     fn insert(&mut self, tokens: &[u32], pages: &[u32], pool: &mut PagePool) -> Vec<u32> {

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use request::Request;
 pub use request::{Event, FinishReason, SamplingParams, Submission, Usage, EVENT_BUFFER};
 
-use crate::cache::{PagePool, PrefixCache};
+use crate::cache::{KvCopy, PagePool, PrefixCache};
 use crate::metrics::{Metrics, PolicyDecision};
 use crate::model::gpu::{Batch, LogitRows, RequestSlice};
 use crate::sampling::{sample, verify};
@@ -54,11 +54,13 @@ pub struct SchedulerConfig {
     pub speculative: Option<SpecConfig>,
 }
 
-/// The work of one step: the batch and which request each slice belongs to.
+/// The work of one step: the batch and which request each slice belongs to, and the KV
+/// copies between the cache's tiers to apply, in order, before it runs.
 #[derive(Debug)]
 pub struct Step {
     pub batch: Batch,
     slices: Vec<Slice>,
+    pub copies: Vec<KvCopy>,
 }
 
 impl Step {
@@ -363,7 +365,18 @@ impl Scheduler {
         if slices.iter().any(|s| !s.draft.is_empty()) {
             batch.logits = LogitRows::Tails(slices.iter().map(|s| 1 + s.draft.len()).collect());
         }
-        Some(Step { batch, slices })
+        let copies = self.cache.take_copies();
+        for c in &copies {
+            match c {
+                KvCopy::ToHost { .. } => self.metrics.kv_pages_to_host.add(1),
+                KvCopy::ToDevice { .. } => self.metrics.kv_pages_to_device.add(1),
+            }
+        }
+        Some(Step {
+            batch,
+            slices,
+            copies,
+        })
     }
 
     /// Most tokens each running request drafts this step: none unless it decodes; else
@@ -500,30 +513,40 @@ impl Scheduler {
 
     /// Admits the first waiting request with its first chunk; `None` if none waits or its
     /// pages cannot be had without preempting (new requests never preempt running ones).
+    ///
+    /// A hit's host pages are brought back into pages allocated with the chunk's: as many as
+    /// the host tier still has once those are taken (taking them may evict).
     fn admit(&mut self, budget: usize) -> Option<usize> {
         let r = self.waiting.front()?;
         let page = self.cfg.page_size;
-        let mut hit = self.cache.lookup(&r.tokens);
-        hit.truncate(policy::reusable_pages(hit.len(), r.tokens.len(), page));
-        self.pool.retain(&hit);
-        let computed = hit.len() * page;
-        let n = policy::chunk_len(r.tokens.len() - computed, budget);
-        let Some(new) = self.take_pages(policy::pages_needed(computed + n, page, hit.len())) else {
-            self.pool.release(&hit);
+        let hit = self.cache.lookup(&r.tokens);
+        let reusable = policy::reusable_pages(hit.device.len() + hit.host, r.tokens.len(), page);
+        let device = &hit.device[..reusable.min(hit.device.len())];
+        let host = reusable - device.len();
+        self.pool.retain(device);
+        let n = policy::chunk_len(r.tokens.len() - reusable * page, budget);
+        let need = policy::pages_needed(reusable * page + n, page, device.len());
+        let Some(new) = self.take_pages(need) else {
+            self.pool.release(device);
             return None;
         };
         let mut r = self.waiting.pop_front().expect("looked at above");
+        let promoted = (self.cache).promote(&r.tokens, device.len(), &new[..host], &mut self.pool);
+        let computed = (device.len() + promoted) * page;
         if r.cached.is_none() {
             r.cached = Some(computed);
             self.metrics.prompt_tokens.add(r.prompt_len as u64);
             self.metrics.cached_tokens.add(computed as u64);
+            self.metrics
+                .host_cached_tokens
+                .add((promoted * page) as u64);
             r.send(Event::Admitted {
                 cached_tokens: computed,
             });
             tracing::debug!(id = r.id, session = ?r.session, cached = computed, "admitted");
         }
         r.computed = computed;
-        r.pages = hit.into_iter().chain(new).collect();
+        r.pages = device.iter().copied().chain(new).collect();
         self.running.push(r);
         Some(n)
     }
@@ -736,6 +759,7 @@ impl Scheduler {
         m.kv_usage
             .set(self.pool.request_pages() as f64 / self.pool.total().max(1) as f64);
         m.kv_cached_pages.set(self.cache.cached_pages() as f64);
+        m.kv_host_pages.set(self.cache.host_pages() as f64);
     }
 }
 

@@ -20,6 +20,8 @@ type Model = fn(&[u32]) -> Vec<f32>;
 struct HostKv {
     page_size: usize,
     rows: Vec<Option<u32>>,
+    /// The prefix cache's host tier: a page's rows by slot.
+    slots: HashMap<u32, Vec<Option<u32>>>,
     model: Model,
     /// Request slices that ended in a draft tree (not a chain).
     trees: usize,
@@ -63,8 +65,25 @@ impl HostKv {
         HostKv {
             page_size,
             rows: vec![None; page_size * pages],
+            slots: HashMap::new(),
             model: hashed,
             trees: 0,
+        }
+    }
+
+    /// Applies a step's copies between the tiers, in order, as the engine does.
+    fn copy(&mut self, copies: &[KvCopy]) {
+        let rows = |page: u32| page as usize * self.page_size..(page as usize + 1) * self.page_size;
+        for &c in copies {
+            match c {
+                KvCopy::ToHost { page, slot } => {
+                    self.slots.insert(slot, self.rows[rows(page)].to_vec());
+                }
+                KvCopy::ToDevice { slot, page } => {
+                    let range = rows(page);
+                    self.rows[range].copy_from_slice(&self.slots[&slot]);
+                }
+            }
         }
     }
 
@@ -142,9 +161,14 @@ struct Run {
 
 impl Run {
     fn new(cfg: SchedulerConfig, pages: usize) -> Self {
+        Self::tiered(cfg, pages, 0)
+    }
+
+    /// With a host tier of `host_slots` pages.
+    fn tiered(cfg: SchedulerConfig, pages: usize, host_slots: usize) -> Self {
         let metrics = Arc::new(Metrics::default());
         let kv = HostKv::new(cfg.page_size, pages);
-        let cache = CacheKind::Radix.build(cfg.page_size);
+        let cache = CacheKind::Radix.build(cfg.page_size, host_slots);
         Run {
             sched: Scheduler::new(cfg, pages, cache, metrics.clone()),
             kv,
@@ -197,6 +221,7 @@ impl Run {
         let step = self.sched.schedule()?;
         self.sched.check_pages();
         let lens = step.batch.requests.iter().map(|r| r.tokens.len()).collect();
+        self.kv.copy(&step.copies);
         let logits = self.kv.step(&step.batch);
         let shape = step.decode_shape();
         // A greedy step gets each row's argmax, as the device model computes it.
@@ -339,12 +364,13 @@ proptest! {
         page_size in 1usize..6,
         budget in 8usize..80,
         pages in 40usize..120,
+        host_slots in prop_oneof![Just(0usize), 1usize..64],
         prompts in prop::collection::vec(
             (prop::collection::vec(1u32..4, 1..60), 1usize..20), 1..12),
         shared in prop::collection::vec(1u32..4, 0..40),
     ) {
         // Every request must fit the pool alone; sharing a prefix makes cache hits likely.
-        let mut run = Run::new(config(page_size, budget, 8), pages);
+        let mut run = Run::tiered(config(page_size, budget, 8), pages, host_slots);
         let mut rxs = Vec::new();
         let mut wanted = Vec::new();
         for (i, (tail, max_tokens)) in prompts.iter().enumerate() {
@@ -385,6 +411,43 @@ fn more_requests_than_the_pool_holds_all_finish_through_preemption() {
         let got = outcome(rx).0;
         assert_eq!(&got, seen.entry(p.clone()).or_insert_with(|| alone(p, 40)));
     }
+}
+
+/// Agent sessions whose histories outgrow the device pool: each turn re-sends its session's
+/// history. With a host tier the later turns hit what the device pool had to evict (copied
+/// back, not recomputed), and every output is the same as without the tier.
+#[test]
+fn later_turns_hit_the_host_tier_where_the_device_pool_evicted_their_prefix() {
+    let turns = |run: &mut Run| {
+        let mut outputs = Vec::new();
+        let mut histories: Vec<Vec<u32>> = (0..6).map(|s| vec![1 + s as u32 % 3, 2, 3]).collect();
+        for turn in 0..4u32 {
+            for (s, history) in histories.iter_mut().enumerate() {
+                history.extend((0..20).map(|i| 1 + (i * 7 + turn + s as u32) % 3));
+                let mut rx = run.submit((turn * 10 + s as u32) as u64, history.clone(), 6);
+                run.run_to_end();
+                let (tokens, usage) = outcome(&mut rx);
+                history.extend(&tokens);
+                outputs.push((tokens, usage.expect("finished").cached_tokens));
+            }
+        }
+        outputs
+    };
+    let mut plain = Run::new(config(4, 64, 8), 32);
+    let mut tiered = Run::tiered(config(4, 64, 8), 32, 256);
+    let (without, with) = (turns(&mut plain), turns(&mut tiered));
+    let tokens = |o: &[(Vec<u32>, usize)]| o.iter().map(|(t, _)| t.clone()).collect::<Vec<_>>();
+    assert_eq!(tokens(&with), tokens(&without), "the tier changed outputs");
+    let cached = |o: &[(Vec<u32>, usize)]| o.iter().map(|&(_, c)| c).sum::<usize>();
+    assert!(
+        cached(&with) > 2 * cached(&without),
+        "cached tokens {} with the tier, {} without",
+        cached(&with),
+        cached(&without)
+    );
+    let m = &tiered.metrics;
+    assert!(m.host_cached_tokens.get() > 0 && m.kv_pages_to_device.get() > 0);
+    assert!(m.kv_pages_to_host.get() > 0);
 }
 
 #[test]

@@ -23,7 +23,8 @@
 //! fp8 layout) is a compile-time parameter. Math oracle: `kiln_reference::mla::mla_attention`.
 //! [`write_kv`] appends new tokens' rows to the cache in either format ([`write_kv_normed`]
 //! straight from the `kv_a` projection, normalising and rotating on the way); [`absorb_query`]
-//! and [`project_values`] are the per-head products around the attention.
+//! and [`project_values`] are the per-head products around the attention; [`gather_pages`]
+//! and [`scatter_pages`] move whole pages for the prefix cache's host tier.
 mod absorb;
 mod absorb_mma;
 mod cache_write;
@@ -31,6 +32,7 @@ mod combine;
 mod kernel;
 mod kv_chunks;
 mod mma;
+mod page_copy;
 mod tree_mask;
 mod wide;
 
@@ -38,6 +40,7 @@ use cubecl::prelude::*;
 
 pub use absorb::{absorb_query, absorbs_on_tensor_cores, project_values, KvBShape};
 pub use cache_write::{write_kv, write_kv_normed, KvRowPrep};
+pub use page_copy::{gather_pages, page_words, scatter_pages};
 pub use tree_mask::{tree_mask_words, MAX_TREE_NODES};
 
 use crate::buffer::{check_index_space, check_len};

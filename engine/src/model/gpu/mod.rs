@@ -7,6 +7,7 @@
 //! `qk_rope_head_dim = 64` (DeepSeek-V3 and every Kimi K2): other values are refused.
 mod batch;
 mod forward;
+mod host_kv;
 mod synthetic;
 mod upload;
 
@@ -22,6 +23,7 @@ use kiln_kernels::{DeviceArray, KernelError, Precision};
 use crate::model::tp::AllReduceStandIn;
 pub use batch::{Batch, KvPool, LogitRows, RequestSlice, StepOutput};
 pub(crate) use forward::RankStep;
+pub use host_kv::{Copied, HostKv};
 pub use synthetic::SyntheticQuant;
 use upload::{vector, DeviceLinear};
 
