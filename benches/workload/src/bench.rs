@@ -282,6 +282,7 @@ async fn sweep(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         let mut point = summarize(c, args.gpus, elapsed, &records);
         if let (Some(b), Some(a)) = (before, server_counters(&client).await) {
             point.server_cache_hit_rate = a.hit_rate_since(&b);
+            point.server_host_hit_rate = a.host_hit_rate_since(&b);
         }
         eprintln!("{}", one_line(&point));
         for e in &point.error_samples {

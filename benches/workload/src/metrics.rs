@@ -124,6 +124,9 @@ pub struct PointSummary {
     /// Cache hit rate from the server's own counters over the point (its Prometheus
     /// `/metrics`), when it exports them; set by the driver.
     pub server_cache_hit_rate: Option<f64>,
+    /// The part of it served from the server's host-RAM tier (kiln), when exported.
+    #[serde(default)]
+    pub server_host_hit_rate: Option<f64>,
 }
 
 impl PointSummary {
@@ -186,6 +189,7 @@ pub fn summarize(
         cache_hit_rate: (reported_prompt > 0).then(|| cached as f64 / reported_prompt as f64),
         accept_len: accept_len(&ok),
         server_cache_hit_rate: None,
+        server_host_hit_rate: None,
     }
 }
 

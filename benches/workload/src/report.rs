@@ -109,7 +109,14 @@ pub fn table(points: &[PointSummary]) -> String {
             &human(p.tokens_per_min_per_gpu),
             &human(p.output_tokens_per_min_per_gpu),
             &pct(p.cache_hit_rate),
-            &pct(p.server_cache_hit_rate),
+            &match p.server_host_hit_rate.filter(|&h| h > 0.0) {
+                Some(host) => format!(
+                    "{} ({} host)",
+                    pct(p.server_cache_hit_rate),
+                    pct(Some(host))
+                ),
+                None => pct(p.server_cache_hit_rate),
+            },
             &accept,
         ]);
     }

@@ -3,7 +3,8 @@
 //!
 //! Names tried, in order: kiln's (`kiln_prompt_tokens_total`, `kiln_cached_tokens_total`)
 //! and SGLang's (`sglang:prompt_tokens_total`, `sglang:cached_tokens_total`). Samples of
-//! one metric with different labels (one per model or replica) are summed.
+//! one metric with different labels (one per model or replica) are summed. kiln also
+//! counts the cached tokens that came from its host tier (`kiln_host_cached_tokens_total`).
 
 /// Prompt and cached tokens the server has counted since it started.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -12,6 +13,8 @@ pub struct TokenCounters {
     pub prompt: f64,
     /// Total prompt tokens served from the prefix cache.
     pub cached: f64,
+    /// Of those, the tokens served from a host-RAM tier, where the server says.
+    pub host: Option<f64>,
 }
 
 impl TokenCounters {
@@ -26,6 +29,7 @@ impl TokenCounters {
             Some(Self {
                 prompt: sum(text, p)?,
                 cached: sum(text, c)?,
+                host: sum(text, "kiln_host_cached_tokens_total"),
             })
         })
     }
@@ -34,6 +38,13 @@ impl TokenCounters {
     pub fn hit_rate_since(&self, before: &Self) -> Option<f64> {
         let prompt = self.prompt - before.prompt;
         (prompt > 0.0).then(|| (self.cached - before.cached) / prompt)
+    }
+
+    /// The share of prompt tokens between two readings served from the host tier.
+    pub fn host_hit_rate_since(&self, before: &Self) -> Option<f64> {
+        let prompt = self.prompt - before.prompt;
+        let host = self.host? - before.host?;
+        (prompt > 0.0).then(|| host / prompt)
     }
 }
 
@@ -73,9 +84,24 @@ mod tests {
             c,
             TokenCounters {
                 prompt: 1000.0,
-                cached: 500.0
+                cached: 500.0,
+                host: None,
             }
         );
+    }
+
+    #[test]
+    fn kilns_host_tier_share_is_read_between_two_readings() {
+        let reading = |prompt, cached, host| {
+            let text = format!(
+                "kiln_prompt_tokens_total {prompt}\nkiln_cached_tokens_total {cached}\n\
+                 kiln_host_cached_tokens_total {host}\n"
+            );
+            TokenCounters::parse(&text).unwrap()
+        };
+        let (before, after) = (reading(100, 50, 10), reading(1100, 950, 410));
+        assert_eq!(after.hit_rate_since(&before), Some(0.9));
+        assert_eq!(after.host_hit_rate_since(&before), Some(0.4));
     }
 
     #[test]
@@ -85,7 +111,8 @@ mod tests {
             TokenCounters::parse(text),
             Some(TokenCounters {
                 prompt: 10.0,
-                cached: 4.0
+                cached: 4.0,
+                host: None,
             })
         );
         assert_eq!(TokenCounters::parse("other_metric 1\n"), None);
@@ -96,12 +123,15 @@ mod tests {
         let before = TokenCounters {
             prompt: 100.0,
             cached: 10.0,
+            host: None,
         };
         let after = TokenCounters {
             prompt: 300.0,
             cached: 160.0,
+            host: None,
         };
         assert_eq!(after.hit_rate_since(&before), Some(0.75));
         assert_eq!(before.hit_rate_since(&before), None);
+        assert_eq!(after.host_hit_rate_since(&before), None, "no host counter");
     }
 }
