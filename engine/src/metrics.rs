@@ -446,13 +446,81 @@ impl Metrics {
              tokens verification accepted and the model's own (a stop or the length limit \
              may cut what is sent).",
         );
+        self.render_peer_names(&mut out);
         out
+    }
+
+    /// The queue, running and KV-usage gauges again under the names vLLM and SGLang
+    /// export, which the Kubernetes Gateway API Inference Extension's endpoint picker
+    /// (its model-server protocol) and existing dashboards read.
+    fn render_peer_names(&self, out: &mut String) {
+        let (queued, running, usage) = (self.queued.get(), self.running.get(), self.kv_usage.get());
+        for (name, help, v) in [
+            (
+                "vllm:num_requests_waiting",
+                "Requests waiting (kiln_num_queue_reqs).",
+                queued,
+            ),
+            (
+                "vllm:num_requests_running",
+                "Requests running (kiln_num_running_reqs).",
+                running,
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV cache usage, 1 = full (kiln_kv_usage).",
+                usage,
+            ),
+            (
+                "vllm:gpu_cache_usage_perc",
+                "KV cache usage, 1 = full (kiln_kv_usage).",
+                usage,
+            ),
+            (
+                "sglang:num_queue_reqs",
+                "Requests waiting (kiln_num_queue_reqs).",
+                queued,
+            ),
+            (
+                "sglang:num_running_reqs",
+                "Requests running (kiln_num_running_reqs).",
+                running,
+            ),
+            (
+                "sglang:token_usage",
+                "KV cache usage, 1 = full (kiln_kv_usage).",
+                usage,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn queue_and_kv_usage_are_also_exported_under_vllm_and_sglang_names() {
+        let m = Metrics::default();
+        m.queued.set(3.0);
+        m.running.set(5.0);
+        m.kv_usage.set(0.25);
+        let text = m.render();
+        for line in [
+            "vllm:num_requests_waiting 3",
+            "vllm:num_requests_running 5",
+            "vllm:kv_cache_usage_perc 0.25",
+            "vllm:gpu_cache_usage_perc 0.25",
+            "sglang:num_queue_reqs 3",
+            "sglang:num_running_reqs 5",
+            "sglang:token_usage 0.25",
+            "# TYPE sglang:token_usage gauge",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
+    }
 
     #[test]
     fn histogram_buckets_are_cumulative_and_count_everything() {
