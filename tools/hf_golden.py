@@ -32,7 +32,11 @@ Tokens are random, each redrawn until every routing decision at its position is 
 least `ROUTING_MARGIN` (4e-3 in sigmoid-score units) away from a tie, so engines
 computing in bf16 route the golden sequences exactly as HF does.
 
-Run: `python3 tools/hf_golden.py --out tests/fixtures/hf [--device cpu|cuda]`. With
+Run: `python3 tools/hf_golden.py --out tests/fixtures/hf [--device cpu|cuda]`.
+`--checkpoint DIR --out tests/fixtures/hf/kiln-coder` instead writes only
+`golden.safetensors` for a trained model directory (kiln's embedded kiln-coder): HF's
+logits on a chat prompt and a code prompt, each cut before the first position whose
+routing is within CHECKPOINT_MARGIN of a tie. With
 `--check` it reloads each bf16 fixture through `from_pretrained` and checks the logits
 are reproduced (the files are what HF reads). `--dump-raw DIR` also writes every
 weight (dequantized) and golden as raw little-endian f32 plus a manifest, for
@@ -486,6 +490,71 @@ def generate(name, fields, seed, quantized, args):
     )
 
 
+# ---- goldens of a trained checkpoint ----
+
+# Text a coding agent sends, rendered in Kimi's chat format (as kiln's server renders it).
+CHECKPOINT_PROMPTS = (
+    "[BOS]<|im_user|>user<|im_middle|>Write a Python function that reverses a list.<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|>",
+    "[BOS]def binary_search(items, target):\n    lo, hi = 0, len(items)\n    while lo < hi:\n",
+)
+# The smallest routing margin kept: far above the error of kiln's f32 (`Exact`) model, so
+# it routes every golden position as HF does. A sequence stops before the first position
+# whose margin is smaller (later tokens never change earlier positions).
+CHECKPOINT_MARGIN = 1e-5
+CHECKPOINT_TOKENS = 40
+
+
+def load_checkpoint(dirname):
+    """A model directory as kiln ships it -> (config, f32 weights under checkpoint names,
+    NVFP4 experts dequantized as `e2m1 * weight_scale * weight_scale_2`)."""
+    with open(os.path.join(dirname, "config.json")) as f:
+        fields = json.load(f)
+    fields.pop("quantization_config", None)
+    c = DeepseekV3Config(**fields)
+    c._attn_implementation = "eager"
+    stored = {}
+    for f in sorted(os.listdir(dirname)):
+        if f.endswith(".safetensors"):
+            stored.update(load_file(os.path.join(dirname, f)))
+    weights = {}
+    for name, t in stored.items():
+        if name.endswith(("weight_scale", "weight_scale_2", "input_scale")):
+            continue
+        if t.dtype == torch.uint8:
+            p = name[: -len("weight")]
+            codes = torch.stack([t & 15, t >> 4], -1).reshape(t.shape[0], -1)
+            scale = stored[p + "weight_scale"].to(torch.float32).repeat_interleave(16, dim=1)
+            weights[name] = e2m1_decode(codes) * scale * stored[p + "weight_scale_2"]
+        else:
+            weights[name] = t.to(torch.float32)
+    return c, weights
+
+
+def checkpoint_goldens(dirname, out, device):
+    """HF's f32 logits of a trained checkpoint on CHECKPOINT_PROMPTS -> `out`/golden.safetensors."""
+    from tokenizers import Tokenizer
+
+    c, weights = load_checkpoint(dirname)
+    model = build_model(c, weights, device)
+    tok = Tokenizer.from_file(os.path.join(dirname, "tokenizer.json"))
+    goldens = {}
+    for s, prompt in enumerate(CHECKPOINT_PROMPTS):
+        ids = tok.encode(prompt, add_special_tokens=False).ids
+        ids = torch.tensor(ids[:CHECKPOINT_TOKENS], dtype=torch.int64)
+        margins = routing_margins(model, c, ids, device)
+        low = (margins < CHECKPOINT_MARGIN).nonzero()
+        keep = int(low[0]) if len(low) else len(ids)
+        assert keep >= 8, f"prompt {s}: routing within {CHECKPOINT_MARGIN} of a tie at token {keep}"
+        goldens[f"tokens_{s}"] = ids[:keep]
+        goldens[f"logits_{s}"] = logits_of(model, ids[:keep], device)
+        top = goldens[f"logits_{s}"].argmax(-1)
+        print(f"prompt {s}: {keep} of {len(ids)} tokens (smallest routing margin "
+              f"{margins[:keep].min().item():.2e}); greedy next tokens {tok.decode(top.tolist())!r}")
+    os.makedirs(out, exist_ok=True)
+    save_file(goldens, os.path.join(out, "golden.safetensors"), metadata={"format": "pt"})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="fixture root, e.g. tests/fixtures/hf")
@@ -493,12 +562,16 @@ def main():
     parser.add_argument("--only", nargs="*", choices=sorted(FIXTURES), help="subset of fixtures")
     parser.add_argument("--check", action="store_true", help="reload bf16 fixtures via from_pretrained")
     parser.add_argument("--dump-raw", metavar="DIR", help="also write raw f32 arrays for debugging")
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="instead: goldens of this trained model directory into --out")
     args = parser.parse_args()
     # Exact f32 everywhere: no TF32, no reduced-precision reductions, one algorithm.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     torch.use_deterministic_algorithms(True)
+    if args.checkpoint:
+        return checkpoint_goldens(args.checkpoint, args.out, args.device)
     for name in args.only or FIXTURES:
         generate(name, *FIXTURES[name], args)
 

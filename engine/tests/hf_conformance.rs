@@ -1,7 +1,8 @@
 //! kiln against HuggingFace transformers' DeepseekV3ForCausalLM: the fixtures under
 //! `tests/fixtures/hf/` (made by `tools/hf_golden.py`: small configs, one with Kimi's exact
 //! MLA dimensions, one with grouped routing and no q LoRA, one with NVFP4 experts in
-//! ModelOpt format) are loaded through the real loader, run through the reference forward,
+//! ModelOpt format; and kiln's trained embedded model, kiln-coder, on a chat prompt and a
+//! code prompt) are loaded through the real loader, run through the reference forward,
 //! and through kiln's device model (every kernel, on every enabled backend), and compared
 //! with HF's float32 logits: every logit within the bf16 tolerance of its row
 //! (`2^-8 * max |logit|`), and the argmax equal wherever HF's top-1 margin exceeds it. The
@@ -33,6 +34,21 @@ fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures/hf")
         .join(name)
+}
+
+/// kiln's embedded coder model: its goldens are under the fixtures, its weights where kiln
+/// embeds them (engine/assets/kiln-coder).
+const CODER: &str = "kiln-coder";
+
+/// Where a fixture's checkpoint is.
+fn checkpoint(name: &str) -> PathBuf {
+    if name == CODER {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("assets")
+            .join(CODER)
+    } else {
+        fixture(name)
+    }
 }
 
 /// The golden token sequences and HF logits of a fixture.
@@ -115,7 +131,7 @@ fn check_rows_with_slack(
 
 fn reference_matches_hf(name: &str) {
     let dir = fixture(name);
-    let ckpt = Checkpoint::open(&dir).unwrap();
+    let ckpt = Checkpoint::open(&checkpoint(name)).unwrap();
     let weights = ckpt.reference_weights().unwrap();
     let vocab = ckpt.spec.arch.vocab_size;
     for (tokens, logits) in golden(&dir) {
@@ -143,6 +159,12 @@ fn reference_forward_matches_hf_with_modelopt_nvfp4_experts() {
     reference_matches_hf("tiny-kimi-nvfp4");
 }
 
+/// The trained embedded model, on real text in its chat format.
+#[test]
+fn reference_forward_matches_hf_on_the_embedded_coder_model() {
+    reference_matches_hf(CODER);
+}
+
 /// One bf16 rounding of the row's largest value.
 const BF16_BOUND: f64 = 1.0 / 256.0;
 /// Four of them: the served model, whose tensor cores round operands to bf16 in every layer.
@@ -153,7 +175,7 @@ fn device_model<R: Runtime>(
     name: &str,
     precision: Precision,
 ) -> (Checkpoint, GpuModel<R>) {
-    let ckpt = Checkpoint::open(&fixture(name)).unwrap();
+    let ckpt = Checkpoint::open(&checkpoint(name)).unwrap();
     let model = GpuModel::load_with(client.clone(), &ckpt, precision).unwrap();
     (ckpt, model)
 }
@@ -278,6 +300,10 @@ fn kimi_prefill<R: Runtime>(client: &ComputeClient<R>) {
 
 fn kimi_nvfp4_prefill<R: Runtime>(client: &ComputeClient<R>) {
     prefill_matches_hf(client, "tiny-kimi-nvfp4", Precision::Exact);
+}
+
+fn coder_prefill<R: Runtime>(client: &ComputeClient<R>) {
+    prefill_matches_hf(client, CODER, Precision::Exact);
 }
 
 fn kimi_decode<R: Runtime>(client: &ComputeClient<R>) {
@@ -514,6 +540,7 @@ fn a_draft_tree_scores_each_node_as_its_path_alone<R: Runtime>(client: &ComputeC
 kiln_backends::backend_tests! {
     kimi_prefill,
     kimi_nvfp4_prefill,
+    coder_prefill,
     kimi_decode,
     kimi_nvfp4_decode,
     kimi_bf16_cache,

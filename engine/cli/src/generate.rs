@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::Args;
 
 use crate::args::DeviceArgs;
+use crate::embedded;
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, RequestSlice};
 use kiln::model::tokenizer::TextCodec;
@@ -16,9 +17,10 @@ use kiln_core::rng::Rng;
 
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// HF model directory: config.json, model*.safetensors, tokenizer.json.
-    #[arg(long, value_name = "DIR")]
-    model: PathBuf,
+    /// HF model directory (config.json, model*.safetensors, tokenizer.json), or an embedded
+    /// model's name: kiln-coder (the default) or kiln-tiny-random.
+    #[arg(long, value_name = "DIR|NAME")]
+    model: Option<PathBuf>,
     /// The prompt, as raw text (no chat template is applied).
     #[arg(long)]
     prompt: String,
@@ -109,9 +111,13 @@ impl BackendVisitor for Generate<'_> {
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
     let kind = args.device.backend()?;
-    let ckpt = Checkpoint::open(&args.model)
-        .with_context(|| format!("opening {}", args.model.display()))?;
-    let codec = TextCodec::from_dir(&args.model)?;
+    let model = embedded::resolve(args.model.as_deref())?;
+    let ckpt =
+        Checkpoint::open(&model.dir).with_context(|| format!("opening {}", model.dir.display()))?;
+    let codec = TextCodec::from_dir(&model.dir)?;
+    if model.temporary {
+        let _ = std::fs::remove_dir_all(&model.dir);
+    }
     let prompt = codec.encode(&args.prompt).map_err(anyhow::Error::msg)?;
     anyhow::ensure!(!prompt.is_empty(), "the prompt encodes to no tokens");
     let outcome = with_backend(

@@ -1,10 +1,12 @@
 //! `kiln`: the command-line entry point, one module per subcommand that runs the engine
-//! (`serve`, `generate`, `check`, `info`). `bench` is `kiln-workload`'s load generator and
+//! (`serve`, `generate`, `perplexity`, `check`, `info`). `bench` is `kiln-workload`'s load generator and
 //! `route` the `kiln-router` crate, neither of which links the engine.
 mod args;
 mod check;
+mod embedded;
 mod generate;
 mod info;
+mod perplexity;
 mod serve;
 mod synthetic;
 
@@ -32,13 +34,19 @@ enum Command {
     /// (kernel, shape, backend, max abs/rel error, tolerance, pass, time). Exits non-zero
     /// if any kernel disagrees with the reference.
     Check(check::CheckArgs),
-    /// Generate a completion for a prompt with a model directory (greedy by default) and
-    /// print it with prefill and decode speeds.
+    /// Generate a completion for a prompt (raw text, greedy by default) with a model
+    /// directory or an embedded model (kiln-coder without --model) and print it with prefill
+    /// and decode speeds.
     Generate(generate::GenerateArgs),
     /// Serve the model over HTTP: OpenAI-compatible /v1/chat/completions and
     /// /v1/completions (streaming), SGLang's /generate (token ids), /v1/models, /health and
-    /// Prometheus /metrics. Without --model it serves an embedded tiny model.
+    /// Prometheus /metrics. Without --model it serves kiln-coder, a small coding model kiln
+    /// carries in its binary.
     Serve(serve::ServeArgs),
+    /// Score text files with a model (kiln-coder without --model): loss and perplexity
+    /// through the engine's own kernels, KV cache format and precision, to measure what
+    /// NVFP4 experts, an fp8 cache or bf16 tensor cores change.
+    Perplexity(perplexity::PerplexityArgs),
     /// Route requests over many kiln (or SGLang) replicas behind one endpoint, keeping each
     /// agent session on the replica that holds its KV cache (`--policy kiln`, the default:
     /// session affinity, load-aware placement of new sessions, thick sessions split,
@@ -70,6 +78,7 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Info(args) => info::run(args),
         Command::Route(args) => Ok(kiln_router::cli::run(args)?),
+        Command::Perplexity(args) => perplexity::run(args),
         Command::Serve(args) => serve::run(args),
     }
 }

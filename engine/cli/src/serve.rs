@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::args::{DeviceArgs, PrefixCacheArg};
+use crate::embedded::{self, ModelDir};
 use crate::synthetic::SyntheticArgs;
 use anyhow::Context;
 use axum::serve::ListenerExt;
@@ -18,13 +19,13 @@ use kiln::speculative::{DraftPolicy, DrafterKind, SpecConfig, MAX_DRAFT_NODES};
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// HF model directory (config.json, model*.safetensors, tokenizer.json). Without it,
-    /// kiln serves its embedded default: a tiny model of the same architecture with random
-    /// weights (outputs mean nothing; for trying the API, tests and benchmarks of the
-    /// engine) and a context of 4096 tokens. The context length (the config's
+    /// HF model directory (config.json, model*.safetensors, tokenizer.json), or the name of
+    /// a model kiln carries: kiln-coder (the default: a small model trained on Python and
+    /// Kimi-format chat turns, NVFP4 experts, 8k context) or kiln-tiny-random (random
+    /// weights, loads in milliseconds: for tests). The context length (the config's
     /// max_position_embeddings) is logged at start-up and listed as max_model_len in
     /// /v1/models; a prompt plus max_tokens beyond it is refused with 400.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR|NAME")]
     model: Option<PathBuf>,
     /// Address to bind.
     #[arg(long, default_value = "127.0.0.1")]
@@ -69,7 +70,7 @@ pub struct ServeArgs {
     /// as pages are evicted, not reserved at start.
     #[arg(long, value_name = "GIB")]
     host_kv_gib: Option<f64>,
-    /// Model name in the API (default: the directory's name, or kiln-default).
+    /// Model name in the API (default: the directory's or the embedded model's name).
     #[arg(long)]
     served_model_name: Option<String>,
     /// On SIGTERM or SIGINT: seconds to let requests in flight finish (/health and new
@@ -246,21 +247,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             )
         }
         None => {
-            let (dir, name, temporary) = match &args.model {
-                Some(d) => {
-                    let name = d
-                        .file_name()
-                        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-                    (d.clone(), name, false)
-                }
-                None => {
-                    let dir = default_model::materialize().context("writing the default model")?;
-                    tracing::info!(
-                        "no --model: serving the embedded default model (random weights)"
-                    );
-                    (dir, default_model::NAME.to_string(), true)
-                }
-            };
+            let ModelDir {
+                dir,
+                name,
+                temporary,
+            } = embedded::resolve(args.model.as_deref())?;
+            if temporary {
+                tracing::info!(model = %name, "serving an embedded model");
+            }
             let ckpt =
                 Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
             let codec = TextCodec::from_dir(&dir)?;

@@ -94,7 +94,7 @@ fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
 
     let report: BenchReport =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    assert_eq!(report.model, "kiln-default");
+    assert_eq!(report.model, "kiln-tiny-random");
     assert_eq!(
         report
             .points

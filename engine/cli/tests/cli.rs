@@ -103,3 +103,62 @@ fn generate_names_a_missing_model_directory() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/model"));
 }
+
+/// Kimi's chat format around one user message, as the server renders it.
+const REVERSE_A_LIST: &str = "[BOS]<|im_user|>user<|im_middle|>Write a Python function that reverses a list.<|im_end|><|im_assistant|>assistant<|im_middle|>";
+
+/// Without --model, `kiln generate` runs the embedded kiln-coder, which answers a request
+/// for code with a Python code block that defines a function.
+#[test]
+fn the_default_model_answers_a_request_for_code_with_code() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["generate", "--prompt", REVERSE_A_LIST, "--max-tokens", "48"])
+        .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+        .output()
+        .expect("kiln runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.starts_with("```python\ndef "),
+        "no Python code block with a function in {stdout:?}"
+    );
+}
+
+/// `kiln perplexity` scores Python source it was not trained on (kiln's own tools) with the
+/// embedded model far below the uniform guess over its vocabulary, and an fp8 cache changes
+/// it little.
+#[test]
+fn the_default_model_predicts_python() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/hf_golden.py");
+    let dir = tempfile::tempdir().unwrap();
+    let mut ppl = Vec::new();
+    for kv in ["bf16", "fp8"] {
+        let json = dir.path().join(format!("{kv}.json"));
+        let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["perplexity", file.to_str().unwrap(), "--window", "256"])
+            .args(["--max-tokens", "512", "--kv-cache-dtype", kv])
+            .args(["--json", json.to_str().unwrap()])
+            .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+            .output()
+            .expect("kiln runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        assert_eq!(report["tokens"], 512);
+        ppl.push(report["perplexity"].as_f64().unwrap());
+    }
+    // A model that knew nothing would be near the vocabulary's 8192 (HF transformers gives
+    // 158 on this file's first 1024 tokens).
+    assert!(ppl[0] < 512.0, "bf16 cache: perplexity {}", ppl[0]);
+    assert!(
+        (ppl[1] / ppl[0] - 1.0).abs() < 0.05,
+        "fp8 cache moves perplexity from {} to {}",
+        ppl[0],
+        ppl[1]
+    );
+}

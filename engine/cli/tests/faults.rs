@@ -373,8 +373,13 @@ async fn every_refusal_is_an_openai_error_naming_its_field() {
             .bearer_auth("k1")
             .send()
     };
-    let found: Value = model("kiln-default").await.unwrap().json().await.unwrap();
-    assert_eq!(found["id"], "kiln-default");
+    let found: Value = model("kiln-tiny-random")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(found["id"], "kiln-tiny-random");
     assert_eq!(model("gpt-9").await.unwrap().status(), 404);
     // Fields kiln cannot honour are refused by name.
     let refused = |path: &'static str, body: Value| {

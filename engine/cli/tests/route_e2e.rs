@@ -98,7 +98,7 @@ impl Session {
     async fn turn(&mut self, client: &reqwest::Client, url: &str) -> (u64, u64) {
         let n = self.messages.len();
         self.messages.push(json!({"role": "user", "content": format!("Session {}, step {n}: fix the failing test.", self.id)}));
-        let body = json!({"model": "kiln-default", "messages": self.messages, "max_tokens": 4, "temperature": 0.0});
+        let body = json!({"model": "kiln-tiny-random", "messages": self.messages, "max_tokens": 4, "temperature": 0.0});
         let mut request = client
             .post(format!("{url}/v1/chat/completions"))
             .json(&body);

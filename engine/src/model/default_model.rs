@@ -1,6 +1,6 @@
-//! kiln's embedded default model: a tiny DeepSeek-V3 / Kimi-K2-architecture model that
-//! `kiln serve` runs when no `--model` is given, so a fresh checkout serves without a
-//! download. Its weights are generated deterministically (seeded, bf16, scaled so each
+//! kiln's tiny random model (`--model kiln-tiny-random`): a DeepSeek-V3 /
+//! Kimi-K2-architecture model small enough to load in milliseconds, for tests of the engine
+//! and the server. Its weights are generated deterministically (seeded, bf16, scaled so each
 //! layer keeps its input's variance and the logits spread out, so greedy decoding has no
 //! near-ties); its tokenizer (engine/assets/default-model/tokenizer.json, made by
 //! tools/tiny_tokenizer.py --kimi-chat) has 512 tokens including Kimi's chat tokens. Its
@@ -16,12 +16,12 @@ use super::tokenizer::TextCodec;
 use super::weights::needed_tensors;
 use super::ModelSpec;
 
-/// The name the default model is served under.
-pub const NAME: &str = "kiln-default";
+/// The name the tiny random model is served under.
+pub const NAME: &str = "kiln-tiny-random";
 
 const TOKENIZER: &str = include_str!("../../assets/default-model/tokenizer.json");
 
-/// `config.json` of the default model (kv_lora_rank 512 / rope 64: the MLA kernels' dims).
+/// `config.json` of the tiny random model (kv_lora_rank 512 / rope 64: the MLA kernels' dims).
 pub const CONFIG: &str = r#"{
   "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
   "vocab_size": 512, "hidden_size": 128, "intermediate_size": 192,
@@ -37,13 +37,13 @@ pub const CONFIG: &str = r#"{
   "rope_theta": 50000.0
 }"#;
 
-/// The default model's tokenizer.
+/// The tiny random model's tokenizer.
 pub fn codec() -> TextCodec {
     let tokenizer = TextCodec::parse(TOKENIZER).expect("the embedded tokenizer parses");
     TextCodec::from_tokenizer(tokenizer, None)
 }
 
-/// Writes the default model (config.json, model.safetensors, tokenizer.json) into `dir`.
+/// Writes the tiny random model (config.json, model.safetensors, tokenizer.json) into `dir`.
 pub fn write(dir: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join("config.json"), CONFIG)?;
@@ -89,14 +89,20 @@ fn init(name: &str, shape: &[usize], hidden: usize, rng: &mut Rng) -> Vec<f32> {
     (0..n).map(|_| (mean + std * rng.normal()) as f32).collect()
 }
 
-/// A fresh directory holding the default model, under the system's temp directory.
+/// A fresh directory holding the tiny random model, under the system's temp directory.
 pub fn materialize() -> std::io::Result<PathBuf> {
+    let dir = fresh_dir(NAME)?;
+    write(&dir)?;
+    Ok(dir)
+}
+
+/// A new empty directory for a model named `name`, under the system's temp directory.
+pub fn fresh_dir(name: &str) -> std::io::Result<PathBuf> {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    let dir =
-        std::env::temp_dir().join(format!("kiln-default-model-{}-{nanos}", std::process::id()));
-    write(&dir)?;
+    let dir = std::env::temp_dir().join(format!("{name}-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
     Ok(dir)
 }
 
@@ -114,7 +120,7 @@ mod tests {
     }
 
     #[test]
-    fn the_default_model_loads_as_a_checkpoint_and_is_the_same_every_time() {
+    fn the_tiny_random_model_loads_as_a_checkpoint_and_is_the_same_every_time() {
         let (a, b) = (materialize().unwrap(), materialize().unwrap());
         let ckpt = crate::model::Checkpoint::open(&a).unwrap();
         assert_eq!(ckpt.spec.context_len, 4096);

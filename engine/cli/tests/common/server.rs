@@ -6,6 +6,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+/// The embedded model with random weights that loads in milliseconds.
+pub const TINY: &str = "kiln-tiny-random";
+
 pub struct Server {
     child: Child,
     /// `http://127.0.0.1:PORT`
@@ -14,9 +17,15 @@ pub struct Server {
 }
 
 impl Server {
-    /// Starts `kiln serve --port 0 ARGS...` (the embedded model unless ARGS give --model)
-    /// and waits until it listens.
+    /// Starts `kiln serve --port 0 ARGS...` (the tiny random model unless ARGS give
+    /// --model or --synthetic) and waits until it listens.
     pub fn start(args: &[&str]) -> Server {
+        let tiny = ["--model", TINY];
+        let model: &[&str] = if args.contains(&"--model") || args.contains(&"--synthetic") {
+            &[]
+        } else {
+            &tiny
+        };
         let log = std::env::temp_dir().join(format!(
             "kiln-serve-test-{}-{}.log",
             std::process::id(),
@@ -24,6 +33,7 @@ impl Server {
         ));
         let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
             .args(["serve", "--port", "0"])
+            .args(model)
             .args(args)
             .env("XDG_RUNTIME_DIR", std::env::temp_dir())
             .env(
