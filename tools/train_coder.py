@@ -439,14 +439,23 @@ def main():
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
     steps, step, t0 = args.steps, 0, time.time()
     while steps is None or step < steps:
+        # Calibrated on steps 20-60: the first ones run while kernels compile and caches warm.
         if steps is None and step == 20:
-            per_step = (time.time() - t0) / 20
-            left = min(args.train_seconds, args.deadline - (time.time() - started) - 45)
-            steps = max(step + 1, int(left / per_step))
+            t20 = time.time()
+        if steps is None and step == 60:
+            per_step = (time.time() - t20) / 40
+            now = time.time()
+            left = min(args.train_seconds - (now - t0), args.deadline - (now - started) - 45)
+            steps = max(step + 1, step + int(left / per_step))
             log(f"{per_step * 1000:.0f} ms a step ({BATCH * seq / per_step / 1e3:.0f}k tokens/s): "
                 f"{steps} steps (repeat with --steps {steps})")
-        total = steps or 10**9
-        lr = PEAK_LR * min(1.0, (step + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total)))
+        # Linear warm-up, then cosine over the rest: calibration ends inside the warm-up, so
+        # a run with --steps N repeats a calibrated run of N steps exactly.
+        if step < WARMUP:
+            lr = PEAK_LR * (step + 1) / WARMUP
+        else:
+            done = min(1.0, (step - WARMUP) / max(1, steps - WARMUP))
+            lr = PEAK_LR * 0.5 * (1 + math.cos(math.pi * done))
         for g in opt.param_groups:
             g["lr"] = max(lr, PEAK_LR * 0.02)
         idx = order[(step * BATCH) % len(order):][:BATCH]
