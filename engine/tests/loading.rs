@@ -102,6 +102,100 @@ fn int4_experts_convert_to_nvfp4_with_bounded_error() {
     assert!(rel_rms < 0.12, "conversion error {rel_rms}");
 }
 
+/// DeepSeek-V3's FP8: dense projections dequantize block by block, exactly
+/// `e4m3(code) * scale_inv[block]` (ragged last blocks included); the config names the
+/// block shape.
+#[test]
+fn fp8_block_scaled_weights_dequantize_block_by_block() {
+    let (_dir, ckpt) = checkpoint(ExpertFormat::Fp8Block);
+    assert_eq!(ckpt.spec.quant, QuantMethod::Fp8Block { block: [16, 16] });
+    let (tensors, _) = tiny_tensors(ExpertFormat::Fp8Block, 1);
+    let name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight";
+    let (out, inp) = (20, 32);
+    let LoadedWeight::Dense(w) = ckpt.linear(name, [out, inp]).unwrap() else {
+        panic!("dense FP8 layers load as their values");
+    };
+    let codes = &tensors[name].2;
+    let scales: Vec<f32> =
+        (tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].2)
+            .chunks(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+    assert_eq!(scales.len(), 2 * 2, "20 rows make a ragged second block");
+    for (k, &v) in w.data.iter().enumerate() {
+        let (i, j) = (k / inp, k % inp);
+        assert_eq!(
+            v,
+            e4m3_decode(codes[k]) * scales[(i / 16) * 2 + j / 16],
+            "({i}, {j})"
+        );
+    }
+    // Every tensor the architecture needs loads (the router and lm_head stay bf16).
+    assert_eq!(
+        ckpt.reference_weights().unwrap().len(),
+        needed_tensors(&ckpt.spec.arch).len()
+    );
+}
+
+/// FP8 routed experts converted to NVFP4 at load: measured relative RMS error against the
+/// FP8 values.
+#[test]
+fn fp8_experts_convert_to_nvfp4_with_bounded_error() {
+    let (_dir, ckpt) = checkpoint(ExpertFormat::Fp8Block);
+    let (tensors, _) = tiny_tensors(ExpertFormat::Fp8Block, 1);
+    let prefix = EXPERT.strip_suffix(".weight").unwrap();
+    let scales: Vec<f32> = (tensors[&format!("{prefix}.weight_scale_inv")].2)
+        .chunks(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let fp8: Vec<f32> = (tensors[EXPERT].2.iter().enumerate())
+        .map(|(k, &c)| e4m3_decode(c) * scales[(k / 32 / 16) * 2 + (k % 32) / 16])
+        .collect();
+    let LoadedWeight::Nvfp4(m) = ckpt.linear(EXPERT, [32, 32]).unwrap() else {
+        panic!("FP8 experts should convert to NVFP4");
+    };
+    let nvfp4 = m.dequantize();
+    let err: f64 = (fp8.iter().zip(&nvfp4))
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let norm: f64 = fp8.iter().map(|a| (*a as f64).powi(2)).sum();
+    let rel_rms = (err / norm).sqrt();
+    eprintln!("FP8 -> NVFP4 relative RMS error: {rel_rms:.4}");
+    assert!(rel_rms < 0.12, "conversion error {rel_rms}");
+}
+
+/// Block scales in a checkpoint whose config does not say fp8, an FP8 config with a block
+/// shape of the wrong length, and a scale tensor of the wrong shape are errors that say so.
+#[test]
+fn bad_fp8_checkpoints_name_the_problem() {
+    let (tensors, _) = tiny_tensors(ExpertFormat::Fp8Block, 1);
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), "", &tensors);
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let err = ckpt.linear(EXPERT, [32, 32]).unwrap_err().to_string();
+    assert!(err.contains("not fp8"), "{err}");
+
+    let bad_block = TINY_CONFIG.replace(
+        "QUANT",
+        r#", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}"#,
+    );
+    let err = ModelSpec::from_json(&bad_block).unwrap_err();
+    assert!(err.contains("weight_block_size"), "{err}");
+
+    let mut tensors = tensors;
+    let key = format!(
+        "{}.weight_scale_inv",
+        EXPERT.strip_suffix(".weight").unwrap()
+    );
+    tensors.get_mut(&key).unwrap().1 = vec![4, 1];
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), quant_fragment(ExpertFormat::Fp8Block), &tensors);
+    let err = Checkpoint::open(dir.path())
+        .and_then(|c| c.linear(EXPERT, [32, 32]))
+        .unwrap_err();
+    assert!(matches!(err, LoadError::Shape { .. }), "{err}");
+}
+
 #[test]
 fn a_truncated_file_is_a_corrupt_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();

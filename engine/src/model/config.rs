@@ -21,6 +21,9 @@ pub enum QuantMethod {
     ModelOptNvfp4,
     /// compressed-tensors with the given format (`nvfp4-pack-quantized`, `pack-quantized`).
     CompressedTensors(String),
+    /// DeepSeek-V3's FP8: E4M3 weights with an f32 `weight_scale_inv` per block of
+    /// `block = [rows, cols]` (`weight_block_size`, 128 x 128 as released).
+    Fp8Block { block: [usize; 2] },
 }
 
 /// The model a directory declares.
@@ -76,6 +79,9 @@ impl RopeScaling {
 struct QuantConfig {
     quant_method: Option<String>,
     format: Option<String>,
+    /// FP8: the element format (`e4m3`) and the scales' block shape.
+    fmt: Option<String>,
+    weight_block_size: Option<Vec<usize>>,
 }
 
 #[derive(Deserialize)]
@@ -188,6 +194,23 @@ fn quant_method(q: &QuantConfig) -> Result<QuantMethod, String> {
         Some("compressed-tensors") => Ok(QuantMethod::CompressedTensors(
             q.format.clone().unwrap_or_default(),
         )),
+        Some("fp8") => {
+            if let Some(fmt) = q.fmt.as_deref().filter(|f| *f != "e4m3") {
+                return Err(format!(
+                    "quantization_config.fmt {fmt:?}: only e4m3 FP8 is supported"
+                ));
+            }
+            let block = match q.weight_block_size.as_deref() {
+                None => [128, 128],
+                Some(&[rows, cols]) if rows > 0 && cols > 0 => [rows, cols],
+                Some(other) => {
+                    return Err(format!(
+                        "quantization_config.weight_block_size {other:?} must be two positive sizes"
+                    ))
+                }
+            };
+            Ok(QuantMethod::Fp8Block { block })
+        }
         other => Err(format!(
             "quantization_config.quant_method {other:?} is not supported"
         )),

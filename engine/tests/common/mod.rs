@@ -7,18 +7,46 @@ use std::path::Path;
 use kiln::model::weights::{needed_tensors, Role};
 use kiln::model::ModelSpec;
 use kiln_reference::data::{normal_with_outliers, Rng};
-use kiln_reference::formats::{bf16_decode, bf16_encode};
+use kiln_reference::formats::{bf16_decode, bf16_encode, e4m3_encode};
 use kiln_reference::nvfp4::Nvfp4Matrix;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
-/// How the routed experts are stored.
+/// How the routed experts are stored (`Fp8Block`: every projection but the router and
+/// lm_head, as DeepSeek-V3 ships).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExpertFormat {
     Bf16,
     ModelOptNvfp4,
     CompressedNvfp4,
     CompressedInt4,
+    Fp8Block,
+}
+
+/// The FP8 tests' `weight_block_size`: small, so the tiny shapes have several blocks and
+/// ragged ones (20 rows of `kv_a_proj_with_mqa`).
+pub const FP8_BLOCK: usize = 16;
+
+/// DeepSeek-V3's block-scaled FP8 of `w` `[out, in]`: e4m3 codes and one f32 `scale_inv`
+/// per `FP8_BLOCK` square (`amax / 448`), multiplied in to dequantize.
+pub fn fp8_block_quantize(w: &[f32], out: usize, inp: usize) -> (Vec<u8>, Vec<f32>) {
+    let (rows, cols) = (out.div_ceil(FP8_BLOCK), inp.div_ceil(FP8_BLOCK));
+    let mut scales = vec![0f32; rows * cols];
+    for (k, v) in w.iter().enumerate() {
+        let b = (k / inp / FP8_BLOCK) * cols + (k % inp) / FP8_BLOCK;
+        scales[b] = scales[b].max(v.abs() / 448.0);
+    }
+    scales
+        .iter_mut()
+        .filter(|s| **s == 0.0)
+        .for_each(|s| *s = 1.0);
+    let codes = (w.iter().enumerate())
+        .map(|(k, v)| {
+            let b = (k / inp / FP8_BLOCK) * cols + (k % inp) / FP8_BLOCK;
+            e4m3_encode(v / scales[b])
+        })
+        .collect();
+    (codes, scales)
 }
 
 pub const TINY_CONFIG: &str = r#"{
@@ -78,7 +106,23 @@ pub fn spec_tensors(
             .unwrap_or(&n.name)
             .to_string();
         let expert = n.role == Role::Linear && n.name.contains(".experts.");
-        if !expert || format == ExpertFormat::Bf16 {
+        let fp8 = format == ExpertFormat::Fp8Block
+            && n.role == Role::Linear
+            && !n.name.ends_with("mlp.gate.weight")
+            && n.name != "lm_head.weight";
+        if fp8 {
+            let (out, inp) = (n.shape[0], n.shape[1]);
+            originals.insert(n.name.clone(), values.clone());
+            let (codes, scales) = fp8_block_quantize(&values, out, inp);
+            tensors.insert(n.name.clone(), (Dtype::F8_E4M3, n.shape.clone(), codes));
+            let blocks = vec![out.div_ceil(FP8_BLOCK), inp.div_ceil(FP8_BLOCK)];
+            tensors.insert(
+                format!("{prefix}.weight_scale_inv"),
+                (Dtype::F32, blocks, f32_bytes(&scales)),
+            );
+            continue;
+        }
+        if !expert || matches!(format, ExpertFormat::Bf16 | ExpertFormat::Fp8Block) {
             tensors.insert(
                 n.name.clone(),
                 (Dtype::BF16, n.shape.clone(), bf16_bytes(&values)),
@@ -121,7 +165,7 @@ pub fn spec_tensors(
                     (Dtype::BF16, vec![out, inp / 32], bf16_bytes(&scales)),
                 );
             }
-            ExpertFormat::Bf16 => unreachable!(),
+            ExpertFormat::Bf16 | ExpertFormat::Fp8Block => unreachable!(),
         }
     }
     (tensors, originals)
@@ -185,6 +229,9 @@ pub fn quant_fragment(format: ExpertFormat) -> &'static str {
         }
         ExpertFormat::CompressedInt4 => {
             r#", "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}"#
+        }
+        ExpertFormat::Fp8Block => {
+            r#", "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}"#
         }
     }
 }

@@ -12,10 +12,16 @@
 //!   `[out, in/32]`; `w = q * scale`. Converted to NVFP4 at load with the reference quantizer;
 //!   the conversion is not exact (±5, ±7, -8 are not E2M1 values): 7.3% relative RMS error
 //!   on normally distributed weights quantized to INT4 (measured by
-//!   `int4_experts_convert_to_nvfp4_with_bounded_error` in `engine/tests/loading.rs`).
+//!   `int4_experts_convert_to_nvfp4_with_bounded_error` in `engine/tests/loading.rs`);
+//! - DeepSeek-V3's block-scaled FP8: `X.weight` e4m3 `[out, in]`, `X.weight_scale_inv` f32
+//!   `[ceil(out / bo), ceil(in / bi)]` for blocks `[bo, bi]` (the config's
+//!   `weight_block_size`), multiplied in: `w = e4m3(code) * scale_inv[i / bo][j / bi]`.
+//!   Dense layers are served from these values (bf16 on the device); routed experts are
+//!   converted to NVFP4 at load like the INT4 ones (error measured by
+//!   `fp8_experts_convert_to_nvfp4_with_bounded_error`).
 use std::path::Path;
 
-use kiln_core::formats::bf16_decode;
+use kiln_core::formats::{bf16_decode, e4m3_decode};
 use kiln_core::model::Tensor;
 use kiln_core::nvfp4::Nvfp4Matrix;
 use safetensors::Dtype;
@@ -192,4 +198,38 @@ pub fn ct_int4(
         }
     }
     Ok(w)
+}
+
+/// DeepSeek-V3's block-scaled FP8, dequantized to f32.
+pub fn fp8_block(
+    weight: &RawTensor,
+    scale_inv: &RawTensor,
+    shape: [usize; 2],
+    block: [usize; 2],
+) -> Result<Vec<f32>, LoadError> {
+    let [out, inp] = shape;
+    let [bo, bi] = block;
+    weight.expect_shape(&[out, inp])?;
+    let (rows, cols) = (out.div_ceil(bo), inp.div_ceil(bi));
+    scale_inv.expect_shape(&[rows, cols])?;
+    if weight.dtype != Dtype::F8_E4M3 {
+        return Err(weight.dtype_error("F8_E4M3"));
+    }
+    if scale_inv.dtype != Dtype::F32 {
+        return Err(scale_inv.dtype_error("F32"));
+    }
+    let scales = scale_inv.to_f32()?;
+    if let Some(bad) = scales.iter().find(|s| !s.is_finite() || **s <= 0.0) {
+        return Err(LoadError::Format {
+            path: scale_inv.path.to_path_buf(),
+            tensor: scale_inv.name.to_string(),
+            reason: format!("block scale {bad} is not a positive finite number"),
+        });
+    }
+    Ok((weight.bytes.iter().enumerate())
+        .map(|(k, &code)| {
+            let (i, j) = (k / inp, k % inp);
+            e4m3_decode(code) * scales[(i / bo) * cols + j / bi]
+        })
+        .collect())
 }

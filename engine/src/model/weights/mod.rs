@@ -24,7 +24,7 @@ pub use expected::{needed_tensors, Needed, Role};
 pub use formats::LoadedWeight;
 use formats::RawTensor;
 
-use super::ModelSpec;
+use super::{ModelSpec, QuantMethod};
 
 /// One mapped safetensors file and its parsed header.
 struct Shard {
@@ -108,6 +108,30 @@ impl Checkpoint {
                 &part("weight_scale_2")?,
                 shape,
             )?;
+            return Ok(LoadedWeight::Nvfp4(m));
+        }
+        if self.contains(&format!("{prefix}.weight_scale_inv")) {
+            let weight = part("weight")?;
+            let QuantMethod::Fp8Block { block } = self.spec.quant else {
+                return Err(LoadError::Format {
+                    path: weight.path.to_path_buf(),
+                    tensor: format!("{prefix}.weight_scale_inv"),
+                    reason: "block scales, but the config's quantization_config is not fp8".into(),
+                });
+            };
+            let w = formats::fp8_block(&weight, &part("weight_scale_inv")?, shape, block)?;
+            if !name.contains(".mlp.experts.") {
+                return Ok(LoadedWeight::Dense(Tensor {
+                    shape: shape.to_vec(),
+                    data: w,
+                }));
+            }
+            let m =
+                Nvfp4Matrix::quantize(&w, shape[0], shape[1]).map_err(|e| LoadError::Format {
+                    path: weight.path.to_path_buf(),
+                    tensor: weight.name.to_string(),
+                    reason: format!("FP8 -> NVFP4 conversion: {e}"),
+                })?;
             return Ok(LoadedWeight::Nvfp4(m));
         }
         if self.contains(&format!("{prefix}.weight_packed")) {
