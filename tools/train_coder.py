@@ -159,8 +159,9 @@ def held_out(rel):
 
 
 def render(messages, tools=None):
-    """Kimi's chat format as text, as kiln's `KimiFormat::render` lays out its ids."""
-    out = [BOS]
+    """Kimi's chat format as text, as kiln's `KimiFormat::render` lays out its ids (no
+    [BOS]: the server renders none; the shipped kiln-coder was trained with one in front)."""
+    out = []
     if tools:
         out.append(f"{SYSTEM}tool_declare{MIDDLE}{json.dumps(tools, separators=(',', ':'))}{END}")
     for m in messages:
