@@ -43,11 +43,6 @@ impl HostKv {
         pool.caches.iter().map(|c| page_words(c) * 4).sum()
     }
 
-    /// Slots in the tier.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     fn slot_range(&mut self, slot: u32, layer: usize) -> std::ops::Range<usize> {
         assert!(
             (slot as usize) < self.capacity,
