@@ -25,8 +25,8 @@ pub struct Detokenizer {
     read: usize,
     /// Bytes of `text` already handed out.
     sent: usize,
-    /// Set once a stop string appeared: the text ends before it.
-    stopped: bool,
+    /// The stop string that appeared, once one did: the text ends before it.
+    stopped: Option<String>,
     /// The token after which there is no more text, and whether it came.
     end_of_text: Option<u32>,
     closed: bool,
@@ -42,7 +42,7 @@ impl Detokenizer {
             prefix: 0,
             read: 0,
             sent: 0,
-            stopped: false,
+            stopped: None,
             end_of_text,
             closed: false,
         }
@@ -50,7 +50,12 @@ impl Detokenizer {
 
     /// Whether a stop string ended the text.
     pub fn stopped(&self) -> bool {
-        self.stopped
+        self.stopped.is_some()
+    }
+
+    /// The stop string that ended the text, if one did.
+    pub fn stop_string(&self) -> Option<&str> {
+        self.stopped.as_deref()
     }
 
     /// Ids pushed so far.
@@ -60,7 +65,7 @@ impl Detokenizer {
 
     /// Adds a token; returns the text that is now final. After a stop string, nothing.
     pub fn push(&mut self, id: u32) -> String {
-        if self.stopped {
+        if self.stopped() {
             return String::new();
         }
         self.ids.push(id);
@@ -83,12 +88,12 @@ impl Detokenizer {
             .filter_map(|s| {
                 self.text[search_from..]
                     .find(s.as_str())
-                    .map(|i| search_from + i)
+                    .map(|i| (search_from + i, s))
             })
-            .min();
+            .min_by_key(|&(at, _)| at);
         let end = match stop_at {
-            Some(at) => {
-                self.stopped = true;
+            Some((at, s)) => {
+                self.stopped = Some(s.clone());
                 at
             }
             None => floor_char(
@@ -103,7 +108,7 @@ impl Detokenizer {
 
     /// The text still held back, at the end of the generation.
     pub fn finish(&mut self) -> String {
-        if self.stopped || self.closed {
+        if self.stopped() || self.closed {
             return String::new();
         }
         self.flush(self.ids.len())

@@ -10,7 +10,7 @@ use super::error::ApiError;
 const IGNORED: &[&str] = &["user", "metadata", "store", "service_tier", "rid"];
 
 /// A field and the test of the value that leaves it off.
-type Neutral = (&'static str, fn(&Value) -> bool);
+pub(super) type Neutral = (&'static str, fn(&Value) -> bool);
 
 fn zero(v: &Value) -> bool {
     v.as_f64() == Some(0.0)
@@ -33,7 +33,7 @@ fn empty(v: &Value) -> bool {
 }
 
 /// Sampling penalties and filters both APIs know, off.
-const PENALTIES: &[Neutral] = &[
+pub(super) const PENALTIES: &[Neutral] = &[
     ("frequency_penalty", zero),
     ("presence_penalty", zero),
     ("repetition_penalty", one),

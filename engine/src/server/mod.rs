@@ -1,5 +1,5 @@
-//! The HTTP server: OpenAI-compatible endpoints, SGLang's `/generate`, health, models and
-//! Prometheus metrics, in front of one engine thread.
+//! The HTTP server: OpenAI-compatible endpoints, Anthropic's Messages API, SGLang's
+//! `/generate`, health, models and Prometheus metrics, in front of one engine thread.
 //!
 //! Every request is parsed and checked here (a bad one gets an OpenAI-format 4xx and never
 //! reaches the engine: unknown fields and fields the server cannot honour are refused, not
@@ -9,6 +9,7 @@
 //! never wait behind a large prompt. On shutdown the server drains ([`AppState::drain`]):
 //! `/health` and new requests get 503, requests in flight finish or, past the deadline,
 //! end with an error event.
+mod anthropic;
 mod chat_format;
 mod detok;
 mod error;
@@ -228,6 +229,8 @@ fn unix_time() -> u64 {
 pub fn router(state: SharedState) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(openai::chat))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/completions", post(openai::completions))
         .route("/generate", post(generate::generate))
         .route("/v1/models", get(models))

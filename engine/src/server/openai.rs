@@ -203,7 +203,7 @@ pub async fn completions(
 }
 
 /// Runs a generation to its end: the text and how it ended.
-async fn collect(pieces: &mut Pieces) -> Result<(String, Outcome), ApiError> {
+pub(super) async fn collect(pieces: &mut Pieces) -> Result<(String, Outcome), ApiError> {
     let mut text = String::new();
     loop {
         match pieces.next().await {
@@ -389,7 +389,7 @@ async fn chat_whole(
 }
 
 /// The calls of offered tools in a reply's ids (none when no tools were offered).
-fn tool_calls(state: &AppState, tools: Option<&Tools>, ids: &[u32]) -> Vec<ToolCall> {
+pub(super) fn tool_calls(state: &AppState, tools: Option<&Tools>, ids: &[u32]) -> Vec<ToolCall> {
     let (Some(fmt), Some(tools)) = (state.chat.as_ref(), tools) else {
         return Vec::new();
     };

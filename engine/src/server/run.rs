@@ -208,6 +208,8 @@ pub enum Piece {
 pub struct Outcome {
     pub reason: FinishReason,
     pub usage: Usage,
+    /// The stop string that ended it, if one did.
+    pub stop_string: Option<String>,
 }
 
 /// Turns engine events into [`Piece`]s with stop strings applied.
@@ -317,8 +319,12 @@ impl Pieces {
     }
 
     fn end(&mut self, reason: FinishReason, usage: Usage) {
-        self.ready
-            .push_back(Ok(Piece::Done(Outcome { reason, usage })));
+        let stop_string = self.detok.stop_string().map(str::to_string);
+        self.ready.push_back(Ok(Piece::Done(Outcome {
+            reason,
+            usage,
+            stop_string,
+        })));
         self.done = true;
     }
 }
@@ -351,32 +357,67 @@ pub fn start(
 }
 
 /// A server-sent-event response: `render` turns each piece into JSON chunks; `[DONE]` ends
-/// it. A client that goes away drops the stream, and with it the request.
-pub fn sse<F>(pieces: Pieces, render: F) -> axum::response::Response
+/// it (OpenAI's and SGLang's streams). A client that goes away drops the stream, and with
+/// it the request.
+pub fn sse<F>(pieces: Pieces, mut render: F) -> axum::response::Response
 where
     F: FnMut(Result<Piece, ApiError>, &[u32]) -> Vec<serde_json::Value> + Send + 'static,
 {
+    use axum::response::sse::Event as SseEvent;
+    let done = SseEvent::default().data("[DONE]");
+    event_stream(pieces, Some(done), move |piece, ids| {
+        (render(piece, ids).iter())
+            .map(|c| SseEvent::default().data(c.to_string()))
+            .collect()
+    })
+}
+
+/// A server-sent-event response of named events (Anthropic's stream: `event: NAME` then
+/// its JSON), with nothing after the last.
+pub fn named_sse<F>(pieces: Pieces, mut render: F) -> axum::response::Response
+where
+    F: FnMut(Result<Piece, ApiError>, &[u32]) -> Vec<(&'static str, serde_json::Value)>
+        + Send
+        + 'static,
+{
+    use axum::response::sse::Event as SseEvent;
+    event_stream(pieces, None, move |piece, ids| {
+        (render(piece, ids).iter())
+            .map(|(name, c)| SseEvent::default().event(*name).data(c.to_string()))
+            .collect()
+    })
+}
+
+/// The events `render` makes of each piece, then `last`.
+fn event_stream<F>(
+    pieces: Pieces,
+    last: Option<axum::response::sse::Event>,
+    render: F,
+) -> axum::response::Response
+where
+    F: FnMut(Result<Piece, ApiError>, &[u32]) -> Vec<axum::response::sse::Event> + Send + 'static,
+{
     use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
     use axum::response::IntoResponse;
-    let start = (pieces, render, VecDeque::<String>::new(), false);
+    let start = (pieces, render, VecDeque::<SseEvent>::new(), last, false);
     let stream = futures_util::stream::unfold(
         start,
-        |(mut pieces, mut render, mut out, mut end)| async move {
+        |(mut pieces, mut render, mut out, mut last, mut end)| async move {
             loop {
-                if let Some(data) = out.pop_front() {
-                    let event = Ok::<_, std::convert::Infallible>(SseEvent::default().data(data));
-                    return Some((event, (pieces, render, out, end)));
+                if let Some(event) = out.pop_front() {
+                    let event = Ok::<_, std::convert::Infallible>(event);
+                    return Some((event, (pieces, render, out, last, end)));
                 }
                 if end {
                     return None;
                 }
                 match pieces.next().await {
                     Some(piece) => {
-                        let chunks = render(piece, pieces.ids());
-                        out.extend(chunks.iter().map(|c| c.to_string()));
+                        let events = render(piece, pieces.ids());
+                        out.extend(events);
                     }
                     None => {
-                        out.push_back("[DONE]".into());
+                        out.extend(last.take());
                         end = true;
                     }
                 }

@@ -1,0 +1,240 @@
+//! Anthropic's Messages API over real HTTP: the same conversation through `/v1/messages`
+//! and `/v1/chat/completions` renders the same prompt and gives the same greedy reply;
+//! tool use and tool results round-trip; the stream is Anthropic's event sequence; stop
+//! sequences, usage and bad requests come back as Anthropic clients expect.
+mod common;
+
+use common::post;
+use common::server::Server;
+use serde_json::{json, Value};
+
+async fn messages(server: &Server, body: Value) -> (u16, Value) {
+    post(
+        &format!("{}/v1/messages", server.url),
+        body.to_string(),
+        None,
+    )
+    .await
+}
+
+async fn chat(server: &Server, body: Value) -> (u16, Value) {
+    post(
+        &format!("{}/v1/chat/completions", server.url),
+        body.to_string(),
+        None,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_answers_as_the_same_chat_completion_does() {
+    let server = Server::start(&[]);
+    // Long enough for whole 64-token pages, so the second request hits the prefix cache.
+    let system = "You are a terse assistant for a coding agent. ".repeat(8);
+    let (status, c) = chat(
+        &server,
+        json!({"max_tokens": 12, "temperature": 0, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Write a haiku about caches."}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{c}");
+    let (status, m) = messages(
+        &server,
+        json!({"model": "kiln-tiny-random", "max_tokens": 12, "temperature": 0,
+               "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+               "messages": [{"role": "user", "content": "Write a haiku about caches."}],
+               "metadata": {"user_id": "u1"}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{m}");
+    assert_eq!(m["type"], "message");
+    assert_eq!(m["role"], "assistant");
+    assert!(m["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(m["content"][0]["type"], "text");
+    assert_eq!(
+        m["content"][0]["text"],
+        c["choices"][0]["message"]["content"]
+    );
+    let stop = match c["choices"][0]["finish_reason"].as_str().unwrap() {
+        "length" => "max_tokens",
+        _ => "end_turn",
+    };
+    assert_eq!(m["stop_reason"], stop);
+    let u = &m["usage"];
+    assert_eq!(
+        u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap(),
+        c["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(u["output_tokens"], c["usage"]["completion_tokens"]);
+    assert!(
+        u["cache_read_input_tokens"].as_u64().unwrap() > 0,
+        "the second identical prompt hits the cache: {u}"
+    );
+}
+
+/// A tool use and its result render as the chat endpoint's tool call and tool message:
+/// `count_tokens` gives the chat request's prompt length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_use_and_results_render_as_chat_tool_calls() {
+    let server = Server::start(&[]);
+    let id = "functions.read_file:0";
+    let anthropic = json!({
+        "model": "kiln-tiny-random",
+        "tools": [{"name": "read_file", "description": "Read a file.",
+                   "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}],
+        "messages": [
+            {"role": "user", "content": "What is in a.py?"},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "Reading it."},
+                {"type": "tool_use", "id": id, "name": "read_file", "input": {"path": "a.py"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": id,
+                 "content": [{"type": "text", "text": "print('hi')"}]},
+                {"type": "text", "text": "Explain it."}]}]});
+    let (status, counted) = post(
+        &format!("{}/v1/messages/count_tokens", server.url),
+        anthropic.to_string(),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{counted}");
+    let (status, c) = chat(
+        &server,
+        json!({"max_tokens": 1, "temperature": 0,
+            "tools": [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}],
+            "messages": [
+                {"role": "user", "content": "What is in a.py?"},
+                {"role": "assistant", "content": "Reading it.", "tool_calls": [
+                    {"id": id, "type": "function",
+                     "function": {"name": "read_file", "arguments": "{\"path\":\"a.py\"}"}}]},
+                {"role": "tool", "tool_call_id": id, "content": "print('hi')"},
+                {"role": "user", "content": "Explain it."}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(counted["input_tokens"], c["usage"]["prompt_tokens"]);
+    let mut with_tools = anthropic.clone();
+    with_tools["max_tokens"] = json!(8);
+    with_tools["tool_choice"] = json!({"type": "auto"});
+    let (status, m) = messages(&server, with_tools).await;
+    assert_eq!(status, 200, "{m}");
+    // Forcing a tool needs constrained decoding, which the chat endpoint refuses too; a
+    // choice of an undeclared tool is refused.
+    for (choice, says) in [
+        (json!({"type": "any"}), "constrained decoding"),
+        (json!({"type": "tool", "name": "write_file"}), "tool_choice"),
+    ] {
+        let mut bad = anthropic.clone();
+        bad["max_tokens"] = json!(8);
+        bad["tool_choice"] = choice;
+        let (status, body) = messages(&server, bad).await;
+        assert_eq!(status, 400, "{body}");
+        assert!(body.to_string().contains(says), "{body}");
+    }
+}
+
+/// The stream: `message_start`, a text block whose deltas are the whole reply's text,
+/// `message_delta` with the stop reason and usage, `message_stop`; no `[DONE]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_is_anthropics_event_sequence() {
+    let server = Server::start(&[]);
+    let body = json!({"max_tokens": 10, "temperature": 0,
+        "messages": [{"role": "user", "content": "Count to five."}]});
+    let (_, whole) = messages(&server, body.clone()).await;
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let text = reqwest::Client::new()
+        .post(format!("{}/v1/messages", server.url))
+        .header("content-type", "application/json")
+        .body(streamed.to_string())
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut names = Vec::new();
+    let mut events = Vec::new();
+    for block in text.split("\n\n").filter(|b| !b.trim().is_empty()) {
+        let field = |f: &str| {
+            block
+                .lines()
+                .find_map(|l| l.strip_prefix(f))
+                .map(|v| v.trim_start().to_string())
+        };
+        let (Some(name), Some(data)) = (field("event:"), field("data:")) else {
+            continue; // keep-alive comments
+        };
+        let data: Value = serde_json::from_str(&data).unwrap();
+        assert_eq!(data["type"], name.as_str(), "an event's name is its type");
+        names.push(name);
+        events.push(data);
+    }
+    assert!(!text.contains("[DONE]"));
+    assert_eq!(names[0], "message_start");
+    assert_eq!(names[1], "content_block_start");
+    assert_eq!(names[names.len() - 2], "message_delta");
+    assert_eq!(names[names.len() - 1], "message_stop");
+    let deltas: String = (events.iter())
+        .filter(|e| e["type"] == "content_block_delta")
+        .map(|e| e["delta"]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, whole["content"][0]["text"].as_str().unwrap());
+    let end = &events[events.len() - 2];
+    assert_eq!(end["delta"]["stop_reason"], whole["stop_reason"]);
+    assert_eq!(
+        end["usage"]["output_tokens"],
+        whole["usage"]["output_tokens"]
+    );
+}
+
+/// A stop sequence ends the reply before it, with `stop_reason: stop_sequence`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_sequence_is_named_in_the_reply() {
+    let server = Server::start(&[]);
+    let body = json!({"max_tokens": 24, "temperature": 0,
+        "messages": [{"role": "user", "content": "Say something."}]});
+    let (_, whole) = messages(&server, body.clone()).await;
+    let full = whole["content"][0]["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() >= 8, "a reply long enough to cut: {full:?}");
+    let stop: String = chars[4..7].iter().collect();
+    let mut cut = body;
+    cut["stop_sequences"] = json!([stop]);
+    let (status, m) = messages(&server, cut).await;
+    assert_eq!(status, 200, "{m}");
+    assert_eq!(m["stop_reason"], "stop_sequence");
+    assert_eq!(m["stop_sequence"], stop.as_str());
+    let before = &full[..full.find(&stop).unwrap()];
+    assert_eq!(m["content"][0]["text"], before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_the_server_cannot_honour_are_refused_naming_the_field() {
+    let server = Server::start(&[]);
+    let user = json!([{"role": "user", "content": "hi"}]);
+    for (body, says) in [
+        (json!({"messages": user}), "max_tokens"),
+        (
+            json!({"max_tokens": 4, "messages": user, "thinking": {"type": "enabled", "budget_tokens": 1024}}),
+            "thinking",
+        ),
+        (
+            json!({"max_tokens": 4, "messages": user, "top_k": 5}),
+            "top_k",
+        ),
+        (
+            json!({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
+            "messages[0].content",
+        ),
+        (json!({"max_tokens": 4, "messages": []}), "messages"),
+    ] {
+        let (status, reply) = messages(&server, body.clone()).await;
+        assert_eq!(status, 400, "{body}: {reply}");
+        assert!(reply.to_string().contains(says), "{body}: {reply}");
+    }
+    let disabled = json!({"max_tokens": 2, "messages": user, "thinking": {"type": "disabled"}});
+    assert_eq!(messages(&server, disabled).await.0, 200);
+}
