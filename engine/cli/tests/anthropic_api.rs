@@ -1,7 +1,8 @@
 //! Anthropic's Messages API over real HTTP: the same conversation through `/v1/messages`
 //! and `/v1/chat/completions` renders the same prompt and gives the same greedy reply;
 //! tool use and tool results round-trip; the stream is Anthropic's event sequence; stop
-//! sequences, usage and bad requests come back as Anthropic clients expect.
+//! sequences, usage and bad requests come back as Anthropic clients expect; and the
+//! official Python SDK (`anthropic`, installed by `.ci/setup`) creates, streams and counts.
 mod common;
 
 use common::post;
@@ -237,4 +238,39 @@ async fn requests_the_server_cannot_honour_are_refused_naming_the_field() {
     }
     let disabled = json!({"max_tokens": 2, "messages": user, "thinking": {"type": "disabled"}});
     assert_eq!(messages(&server, disabled).await.0, 200);
+}
+
+/// Anthropic's own client: `messages.create`, `messages.stream` and `count_tokens` parse
+/// what the server sends (the SDK validates every event and field it reads).
+#[test]
+fn the_official_python_sdk_creates_streams_and_counts() {
+    let server = Server::start(&[]);
+    let script = r#"
+import sys, anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="unused", max_retries=0)
+ask = [{"role": "user", "content": "Write a haiku about caches."}]
+m = c.messages.create(model="kiln-tiny-random", max_tokens=8, system="Be terse.", messages=ask)
+assert m.type == "message" and m.role == "assistant", m
+assert m.content[0].type == "text" and m.stop_reason in ("end_turn", "max_tokens"), m
+assert m.usage.output_tokens == 8 or m.stop_reason == "end_turn", m.usage
+with c.messages.stream(model="kiln-tiny-random", max_tokens=8, system="Be terse.", messages=ask) as s:
+    text = "".join(s.text_stream)
+    final = s.get_final_message()
+assert final.stop_reason == m.stop_reason, final
+assert final.usage.output_tokens == m.usage.output_tokens, final.usage
+n = c.messages.count_tokens(model="kiln-tiny-random", system="Be terse.", messages=ask)
+assert n.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens, (n, m.usage)
+print("ok", len(text))
+"#;
+    let out = std::process::Command::new("python3")
+        .args(["-c", script, &server.url])
+        .output()
+        .expect("python3 runs (installed by .ci/setup)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("No module named 'anthropic'"),
+        "the anthropic SDK is missing: run .ci/setup (pip install anthropic==2.17.0)"
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("ok"));
 }
