@@ -39,7 +39,7 @@ enum Command {
     /// and decode speeds.
     Generate(generate::GenerateArgs),
     /// Serve the model over HTTP: OpenAI-compatible /v1/chat/completions and
-    /// /v1/completions (streaming), Anthropic's /v1/messages, SGLang's /generate (token
+    /// /v1/completions (streaming), /v1/responses, Anthropic's /v1/messages, SGLang's /generate (token
     /// ids), /v1/models, /health and
     /// Prometheus /metrics. Without --model it serves kiln-coder, a small coding model kiln
     /// carries in its binary.

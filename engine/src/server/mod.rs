@@ -1,4 +1,5 @@
-//! The HTTP server: OpenAI-compatible endpoints, Anthropic's Messages API, SGLang's
+//! The HTTP server: OpenAI-compatible endpoints (chat, completions, responses), Anthropic's
+//! Messages API, SGLang's
 //! `/generate`, health, models and Prometheus metrics, in front of one engine thread.
 //!
 //! Every request is parsed and checked here (a bad one gets an OpenAI-format 4xx and never
@@ -16,6 +17,7 @@ mod error;
 mod fields;
 mod generate;
 mod openai;
+mod responses;
 mod run;
 mod tools;
 
@@ -231,6 +233,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/completions", post(openai::completions))
         .route("/generate", post(generate::generate))
         .route("/v1/models", get(models))

@@ -1,0 +1,476 @@
+//! OpenAI's Responses API (`POST /v1/responses`), what Codex speaks: `input` as a string
+//! or items (messages, `function_call`, `function_call_output`), `instructions`, function
+//! `tools`, streamed as the API's typed events or whole. Like the Messages API it is
+//! translated into the chat pipeline (the model's chat format, tools, stop handling); the
+//! reply becomes output items: a `message` with `output_text`, then a `function_call` per
+//! call (`call_id` in the chat format's `functions.NAME:IDX` form). Responses are not
+//! stored: `previous_response_id` is refused, so a client re-sends its conversation (as
+//! Codex does with `store: false`).
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use super::chat_format::{ChatMessage, Content, FunctionCall, ToolCall};
+use super::error::{ApiError, ApiJson};
+use super::fields::{refuse_unsupported, PENALTIES};
+use super::openai::{collect, tool_calls};
+use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames};
+use super::tools;
+use super::{session_id, unix_time, SharedState};
+use crate::scheduler::FinishReason;
+
+const NAMES: SamplingNames = SamplingNames {
+    max_tokens: "max_output_tokens",
+    temperature: "temperature",
+    top_p: "top_p",
+    n: "n",
+};
+
+/// `input`: a string (one user message) or items.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Input {
+    Text(String),
+    Items(Vec<Item>),
+}
+
+/// A message's content: a string or parts (`input_text`, `output_text`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ItemContent {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Item {
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+    role: Option<String>,
+    content: Option<ItemContent>,
+    call_id: Option<String>,
+    name: Option<String>,
+    arguments: Option<String>,
+    output: Option<Value>,
+}
+
+#[derive(Deserialize)]
+pub struct ResponsesRequest {
+    model: Option<String>,
+    input: Input,
+    instructions: Option<String>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    max_output_tokens: Option<i64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    #[serde(default)]
+    stream: bool,
+    /// Every other field: refused unless harmless (`store`, `parallel_tool_calls`,
+    /// `metadata`, plain-text output, no reasoning).
+    #[serde(flatten)]
+    rest: Map<String, Value>,
+}
+
+fn invalid(what: impl Into<String>, param: &str) -> ApiError {
+    ApiError::invalid(what, Some(param))
+}
+
+fn text_of(content: Option<ItemContent>, at: &str) -> Result<String, ApiError> {
+    match content {
+        None => Ok(String::new()),
+        Some(ItemContent::Text(t)) => Ok(t),
+        Some(ItemContent::Parts(parts)) => {
+            let mut out = Vec::new();
+            for p in parts {
+                match (p.kind.as_str(), p.text) {
+                    ("input_text" | "output_text" | "text", Some(t)) => out.push(t),
+                    (kind, _) => {
+                        return Err(invalid(
+                            format!("{at}.content: {kind} parts are not supported"),
+                            "input",
+                        ))
+                    }
+                }
+            }
+            Ok(out.join("\n"))
+        }
+    }
+}
+
+/// The conversation as chat messages: `instructions` as the system message, then the
+/// items in order (consecutive function calls join the assistant turn before them).
+fn chat_messages(instructions: Option<String>, input: Input) -> Result<Vec<ChatMessage>, ApiError> {
+    let message = |role: &str, text: String| ChatMessage {
+        role: role.into(),
+        content: Some(Content::Text(text)),
+        tool_calls: None,
+        tool_call_id: None,
+    };
+    let mut out: Vec<ChatMessage> = instructions
+        .map(|i| message("system", i))
+        .into_iter()
+        .collect();
+    let items = match input {
+        Input::Text(t) => return Ok([out, vec![message("user", t)]].concat()),
+        Input::Items(items) => items,
+    };
+    for (i, item) in items.into_iter().enumerate() {
+        let at = format!("input[{i}]");
+        match item.kind.as_deref().unwrap_or("message") {
+            "message" => {
+                let role = match item.role.as_deref() {
+                    Some("developer" | "system") => "system",
+                    Some(r @ ("user" | "assistant")) => r,
+                    other => {
+                        return Err(invalid(
+                            format!("{at}.role {other:?} is not supported"),
+                            "input",
+                        ))
+                    }
+                };
+                out.push(message(role, text_of(item.content, &at)?));
+            }
+            "function_call" => {
+                let (Some(id), Some(name)) = (item.call_id, item.name) else {
+                    return Err(invalid(
+                        format!("{at}: a function_call needs call_id and name"),
+                        "input",
+                    ));
+                };
+                let call = ToolCall {
+                    id,
+                    kind: "function".into(),
+                    function: FunctionCall {
+                        name,
+                        arguments: item.arguments.unwrap_or_default(),
+                    },
+                };
+                match out.last_mut() {
+                    Some(last) if last.role == "assistant" => {
+                        last.tool_calls.get_or_insert_with(Vec::new).push(call)
+                    }
+                    _ => {
+                        let mut turn = message("assistant", String::new());
+                        turn.tool_calls = Some(vec![call]);
+                        out.push(turn);
+                    }
+                }
+            }
+            "function_call_output" => {
+                let Some(id) = item.call_id else {
+                    return Err(invalid(
+                        format!("{at}: a function_call_output needs call_id"),
+                        "input",
+                    ));
+                };
+                let text = match item.output {
+                    Some(Value::String(s)) => s,
+                    Some(other) => other.to_string(),
+                    None => String::new(),
+                };
+                let mut result = message("tool", text);
+                result.tool_call_id = Some(id);
+                out.push(result);
+            }
+            other => {
+                return Err(invalid(
+                    format!("{at}: {other} items are not supported"),
+                    "input",
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Function tools in the chat endpoint's shape (`{"type": "function", "name", ...}` ->
+/// `{"type": "function", "function": {"name", ...}}`); other tool types are refused.
+fn chat_tools(tools: Option<Vec<Value>>) -> Result<Option<Value>, ApiError> {
+    let Some(tools) = tools else { return Ok(None) };
+    let mut out = Vec::new();
+    for (i, t) in tools.into_iter().enumerate() {
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(invalid(
+                format!("tools[{i}].type: only function tools are supported"),
+                "tools",
+            ));
+        }
+        out.push(json!({"type": "function", "function": {
+            "name": t.get("name"), "description": t.get("description"), "parameters": t.get("parameters")}}));
+    }
+    Ok(Some(json!(out)))
+}
+
+fn refuse(rest: &Map<String, Value>) -> Result<(), ApiError> {
+    let mut rest = rest.clone();
+    for harmless in [
+        "store",
+        "parallel_tool_calls",
+        "include",
+        "prompt_cache_key",
+        "truncation",
+    ] {
+        rest.remove(harmless);
+    }
+    if let Some(text) = rest.remove("text") {
+        let format = text.pointer("/format/type").and_then(Value::as_str);
+        if format.is_some_and(|f| f != "text") {
+            return Err(invalid(
+                "text.format: only plain text output is supported",
+                "text",
+            ));
+        }
+    }
+    if let Some(reasoning) = rest.remove("reasoning") {
+        if !reasoning.is_null() {
+            return Err(invalid(
+                "reasoning is not supported by this model",
+                "reasoning",
+            ));
+        }
+    }
+    if rest
+        .get("previous_response_id")
+        .is_some_and(|v| !v.is_null())
+    {
+        return Err(invalid(
+            "previous_response_id: responses are not stored; send the whole conversation",
+            "previous_response_id",
+        ));
+    }
+    refuse_unsupported(&rest, "", &[PENALTIES])
+}
+
+/// `POST /v1/responses`.
+pub async fn responses(
+    State(state): State<SharedState>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<ResponsesRequest>,
+) -> Result<Response, ApiError> {
+    let refused = |e: ApiError| {
+        state.rejected();
+        e
+    };
+    state.accepting()?;
+    state.check_model(req.model.as_deref()).map_err(refused)?;
+    refuse(&req.rest).map_err(refused)?;
+    let declared = chat_tools(req.tools).map_err(refused)?;
+    let tools = tools::resolve(declared.as_ref(), req.tool_choice.as_ref()).map_err(refused)?;
+    let Some(format) = state.chat.as_ref() else {
+        return Err(refused(invalid(
+            "this model's tokenizer has no chat format",
+            "input",
+        )));
+    };
+    let messages = chat_messages(req.instructions, req.input).map_err(refused)?;
+    let bytes: usize = messages.iter().map(ChatMessage::text_bytes).sum();
+    let (st, shown) = (state.clone(), tools.as_ref().map(|t| t.declared.clone()));
+    let prompt = state
+        .tokenize(bytes, "input", move || {
+            let format = st.chat.as_ref().expect("checked above");
+            format
+                .render(&st.codec, &messages, shown.as_ref())
+                .map_err(|m| ApiError::invalid(m, Some("input")))
+        })
+        .await
+        .map_err(refused)?;
+    let mut stops = vec![format.turn_end()];
+    if tools.is_none() {
+        stops.push(format.section_begin());
+    }
+    let sampling = RawSampling {
+        names: &NAMES,
+        max_tokens: req.max_output_tokens,
+        temperature: req.temperature,
+        top_p: req.top_p,
+        seed: None,
+        n: None,
+        stop: None,
+        stop_token_ids: Some(stops),
+        ignore_eos: None,
+    };
+    let p = prepare(&state, prompt, sampling, "input").map_err(refused)?;
+    let end_of_text = tools.as_ref().map(|_| format.section_begin());
+    let mut pieces = start(&state, &p, session_id(&headers), end_of_text)?;
+    let head = Head {
+        id: format!("resp_{}", p.id),
+        created: unix_time(),
+        model: state.model_name.clone(),
+    };
+    if req.stream {
+        return Ok(stream(state, pieces, head, tools));
+    }
+    let (text, outcome) = collect(&mut pieces).await?;
+    let calls = tool_calls(&state, tools.as_ref(), pieces.ids());
+    let mut output = Vec::new();
+    if !text.is_empty() || calls.is_empty() {
+        output.push(message_item(&head.id, &text));
+    }
+    output.extend(calls.iter().map(|c| call_item(&head.id, c)));
+    Ok(Json(head.response(output, Some(&outcome))).into_response())
+}
+
+/// What every event of one response repeats.
+struct Head {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Head {
+    /// The response object: in progress (no outcome yet), completed, or incomplete at the
+    /// token limit.
+    fn response(&self, output: Vec<Value>, outcome: Option<&Outcome>) -> Value {
+        let status = match outcome.map(|o| o.reason) {
+            None => "in_progress",
+            Some(FinishReason::Length) => "incomplete",
+            Some(_) => "completed",
+        };
+        let incomplete = (status == "incomplete").then(|| json!({"reason": "max_output_tokens"}));
+        json!({
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": output, "incomplete_details": incomplete,
+            "error": null,
+            "usage": outcome.map(|o| json!({
+                "input_tokens": o.usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": o.usage.cached_tokens},
+                "output_tokens": o.usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": o.usage.prompt_tokens + o.usage.completion_tokens,
+            })),
+        })
+    }
+}
+
+fn message_item(id: &str, text: &str) -> Value {
+    json!({"type": "message", "id": format!("msg_{id}"), "status": "completed",
+           "role": "assistant",
+           "content": [{"type": "output_text", "text": text, "annotations": []}]})
+}
+
+fn call_item(id: &str, call: &ToolCall) -> Value {
+    json!({"type": "function_call", "id": format!("fc_{id}_{}", call.id), "status": "completed",
+           "call_id": call.id, "name": call.function.name, "arguments": call.function.arguments})
+}
+
+/// The response as the API's events: created, the message item with its text part and
+/// deltas, a function-call item per call, then completed (or incomplete).
+fn stream(
+    state: SharedState,
+    pieces: super::run::Pieces,
+    head: Head,
+    tools: Option<tools::Tools>,
+) -> Response {
+    let mut seq = 0u64;
+    let mut text = String::new();
+    let mut started = false;
+    named_sse(pieces, move |piece, ids| {
+        let mut out: Vec<(&'static str, Value)> = Vec::new();
+        let mut emit = |name: &'static str, mut v: Value| {
+            v["type"] = json!(name);
+            v["sequence_number"] = json!(seq);
+            seq += 1;
+            out.push((name, v));
+        };
+        let msg_id = format!("msg_{}", head.id);
+        if !started {
+            started = true;
+            emit(
+                "response.created",
+                json!({"response": head.response(vec![], None)}),
+            );
+            emit(
+                "response.in_progress",
+                json!({"response": head.response(vec![], None)}),
+            );
+            let item = json!({"type": "message", "id": msg_id, "status": "in_progress",
+                              "role": "assistant", "content": []});
+            emit(
+                "response.output_item.added",
+                json!({"output_index": 0, "item": item}),
+            );
+            emit(
+                "response.content_part.added",
+                json!({"item_id": msg_id, "output_index": 0,
+                "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}),
+            );
+        }
+        match piece {
+            Err(e) => emit(
+                "error",
+                json!({"code": "engine_error",
+                "message": e.body()["error"]["message"], "param": null}),
+            ),
+            Ok(Piece::Delta { text: t, .. }) if t.is_empty() => {}
+            Ok(Piece::Delta { text: t, .. }) => {
+                text.push_str(&t);
+                emit(
+                    "response.output_text.delta",
+                    json!({"item_id": msg_id, "output_index": 0,
+                    "content_index": 0, "delta": t}),
+                );
+            }
+            Ok(Piece::Done(o)) => {
+                emit(
+                    "response.output_text.done",
+                    json!({"item_id": msg_id, "output_index": 0,
+                    "content_index": 0, "text": text}),
+                );
+                emit(
+                    "response.content_part.done",
+                    json!({"item_id": msg_id, "output_index": 0,
+                    "content_index": 0, "part": {"type": "output_text", "text": text, "annotations": []}}),
+                );
+                let message = message_item(&head.id, &text);
+                emit(
+                    "response.output_item.done",
+                    json!({"output_index": 0, "item": message}),
+                );
+                let mut output = vec![message];
+                for (i, call) in tool_calls(&state, tools.as_ref(), ids).iter().enumerate() {
+                    let item = call_item(&head.id, call);
+                    let mut added = item.clone();
+                    added["arguments"] = json!("");
+                    added["status"] = json!("in_progress");
+                    emit(
+                        "response.output_item.added",
+                        json!({"output_index": i + 1, "item": added}),
+                    );
+                    emit(
+                        "response.function_call_arguments.delta",
+                        json!({"item_id": item["id"],
+                        "output_index": i + 1, "delta": call.function.arguments}),
+                    );
+                    emit(
+                        "response.function_call_arguments.done",
+                        json!({"item_id": item["id"],
+                        "output_index": i + 1, "arguments": call.function.arguments}),
+                    );
+                    emit(
+                        "response.output_item.done",
+                        json!({"output_index": i + 1, "item": item}),
+                    );
+                    output.push(item);
+                }
+                let done = match o.reason {
+                    FinishReason::Length => "response.incomplete",
+                    _ => "response.completed",
+                };
+                emit(done, json!({"response": head.response(output, Some(&o))}));
+            }
+        }
+        out
+    })
+}
