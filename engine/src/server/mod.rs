@@ -1,6 +1,6 @@
 //! The HTTP server: OpenAI-compatible endpoints (chat, completions, responses), Anthropic's
-//! Messages API, SGLang's
-//! `/generate`, health, models and Prometheus metrics, in front of one engine thread.
+//! Messages API, SGLang's `/generate`, health, models and Prometheus metrics, in front of
+//! one engine thread.
 //!
 //! Every request is parsed and checked here (a bad one gets an OpenAI-format 4xx and never
 //! reaches the engine: unknown fields and fields the server cannot honour are refused, not
