@@ -277,8 +277,11 @@ impl BackendVisitor for Runner {
             stall_timeout: self.cfg.stall_timeout,
             speculative: self.cfg.speculative,
         };
-        let host_slots =
-            (self.cfg.host_kv_bytes / HostKv::slot_bytes(&pool).max(1) as u64) as usize;
+        // The flat oracle has no host tier.
+        let host_slots = match self.cfg.cache {
+            CacheKind::Radix => self.cfg.host_kv_bytes / HostKv::slot_bytes(&pool).max(1) as u64,
+            CacheKind::Flat => 0,
+        } as usize;
         let mut host = HostKv::new(&pool, host_slots);
         tracing::info!(
             pages = host_slots,
