@@ -213,6 +213,19 @@ fn chat_tools(tools: Option<Vec<Value>>) -> Result<Option<Value>, ApiError> {
     Ok(Some(json!(out)))
 }
 
+/// `tool_choice` in the chat endpoint's shape: the Responses API names a function at the
+/// top level (`{"type": "function", "name"}`); the strings are the same.
+fn chat_tool_choice(choice: Option<Value>) -> Option<Value> {
+    choice.map(
+        |c| match (c.get("type").and_then(Value::as_str), c.get("name")) {
+            (Some("function"), Some(name)) => {
+                json!({"type": "function", "function": {"name": name}})
+            }
+            _ => c,
+        },
+    )
+}
+
 fn refuse(rest: &Map<String, Value>) -> Result<(), ApiError> {
     let mut rest = rest.clone();
     for harmless in [
@@ -267,7 +280,8 @@ pub async fn responses(
     state.check_model(req.model.as_deref()).map_err(refused)?;
     refuse(&req.rest).map_err(refused)?;
     let declared = chat_tools(req.tools).map_err(refused)?;
-    let tools = tools::resolve(declared.as_ref(), req.tool_choice.as_ref()).map_err(refused)?;
+    let choice = chat_tool_choice(req.tool_choice);
+    let tools = tools::resolve(declared.as_ref(), choice.as_ref()).map_err(refused)?;
     let Some(format) = state.chat.as_ref() else {
         return Err(refused(invalid(
             "this model's tokenizer has no chat format",
