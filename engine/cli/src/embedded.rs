@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use kiln::model::default_model;
+use kiln::model::tokenizer::TextCodec;
+use kiln::model::Checkpoint;
 
 /// The model served when `--model` is not given.
 pub const DEFAULT: &str = CODER;
@@ -30,43 +32,47 @@ const CODER_FILES: [(&str, &[u8]); 3] = [
     ),
 ];
 
-/// A model directory to load: its path, the name to serve it under, and whether it was
-/// written for this run (to remove once loaded).
-pub struct ModelDir {
-    pub dir: PathBuf,
+/// A model opened for loading: its checkpoint, its tokenizer and the name to serve it
+/// under.
+pub struct Opened {
+    pub ckpt: Checkpoint,
+    pub codec: TextCodec,
     pub name: String,
-    pub temporary: bool,
+    /// An embedded model (written out for this run, and removed again once opened: its
+    /// shards stay mapped).
+    pub embedded: bool,
 }
 
-/// `--model`'s value (a directory, or an embedded model's name; none: [`DEFAULT`]) as a
-/// directory: an embedded model is written under the system's temp directory.
-pub fn resolve(model: Option<&Path>) -> anyhow::Result<ModelDir> {
+/// Opens `--model`'s value: a directory, or an embedded model's name (none: [`DEFAULT`]),
+/// which is written under the system's temp directory first.
+pub fn open(model: Option<&Path>) -> anyhow::Result<Opened> {
     let model = model.unwrap_or(Path::new(DEFAULT));
-    let name = model.to_string_lossy();
-    let embedded = |dir: PathBuf| ModelDir {
-        dir,
-        name: name.to_string(),
-        temporary: true,
+    let given = model.to_string_lossy();
+    let written = match given.as_ref() {
+        _ if model.exists() => None,
+        CODER => Some(write_coder().context("writing the embedded kiln-coder")?),
+        default_model::NAME => {
+            Some(default_model::materialize().context("writing the tiny model")?)
+        }
+        _ => None,
     };
-    if !model.exists() {
-        if name == CODER {
-            return Ok(embedded(
-                write_coder().context("writing the embedded kiln-coder")?,
-            ));
+    let dir = written.as_deref().unwrap_or(model);
+    let ckpt = Checkpoint::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+    let codec = TextCodec::from_dir(dir)?;
+    let name = match &written {
+        Some(w) => {
+            let _ = std::fs::remove_dir_all(w);
+            given.into_owned()
         }
-        if name == default_model::NAME {
-            return Ok(embedded(
-                default_model::materialize().context("writing the tiny model")?,
-            ));
-        }
-    }
-    let name = model
-        .file_name()
-        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-    Ok(ModelDir {
-        dir: model.to_path_buf(),
+        None => model
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+    };
+    Ok(Opened {
+        ckpt,
+        codec,
         name,
-        temporary: false,
+        embedded: written.is_some(),
     })
 }
 

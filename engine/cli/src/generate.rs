@@ -2,14 +2,12 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::Context;
 use clap::Args;
 
 use crate::args::DeviceArgs;
 use crate::embedded;
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, RequestSlice};
-use kiln::model::tokenizer::TextCodec;
 use kiln::model::Checkpoint;
 use kiln::sampling::sample;
 use kiln_backends::{with_backend, BackendVisitor, DeviceReport};
@@ -111,13 +109,7 @@ impl BackendVisitor for Generate<'_> {
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
     let kind = args.device.backend()?;
-    let model = embedded::resolve(args.model.as_deref())?;
-    let ckpt =
-        Checkpoint::open(&model.dir).with_context(|| format!("opening {}", model.dir.display()))?;
-    let codec = TextCodec::from_dir(&model.dir)?;
-    if model.temporary {
-        let _ = std::fs::remove_dir_all(&model.dir);
-    }
+    let embedded::Opened { ckpt, codec, .. } = embedded::open(args.model.as_deref())?;
     let prompt = codec.encode(&args.prompt).map_err(anyhow::Error::msg)?;
     anyhow::ensure!(!prompt.is_empty(), "the prompt encodes to no tokens");
     let outcome = with_backend(

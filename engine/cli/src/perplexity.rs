@@ -12,7 +12,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::args::DeviceArgs;
 use crate::embedded;
 use kiln::model::gpu::{Batch, GpuModel, RequestSlice};
-use kiln::model::tokenizer::TextCodec;
 use kiln::model::Checkpoint;
 use kiln_backends::{with_backend, BackendVisitor, DeviceReport};
 
@@ -125,13 +124,9 @@ fn windows(files: Vec<Vec<u32>>, window: usize, max_tokens: usize) -> Vec<Vec<u3
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.window >= 2, "--window must be at least 2 tokens");
     let kind = args.device.backend()?;
-    let model = embedded::resolve(args.model.as_deref())?;
-    let ckpt =
-        Checkpoint::open(&model.dir).with_context(|| format!("opening {}", model.dir.display()))?;
-    let codec = TextCodec::from_dir(&model.dir)?;
-    if model.temporary {
-        let _ = std::fs::remove_dir_all(&model.dir);
-    }
+    let embedded::Opened {
+        ckpt, codec, name, ..
+    } = embedded::open(args.model.as_deref())?;
     let mut files = Vec::new();
     for path in &args.files {
         let text = std::fs::read_to_string(path)
@@ -153,7 +148,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     let precision = format!("{:?}", args.device.precision).to_lowercase();
     println!(
         "{}: {} tokens in {} files, loss {loss:.4} nats/token, perplexity {:.3} ({kv} cache, {precision} precision, {:.1} tokens/s)",
-        model.name,
+        name,
         score.tokens,
         args.files.len(),
         loss.exp(),
@@ -161,7 +156,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     );
     if let Some(path) = &args.json {
         let json = serde_json::json!({
-            "model": model.name,
+            "model": name,
             "files": args.files,
             "window": args.window,
             "tokens": score.tokens,

@@ -5,15 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::args::{DeviceArgs, PrefixCacheArg};
-use crate::embedded::{self, ModelDir};
+use crate::embedded;
 use crate::synthetic::SyntheticArgs;
 use anyhow::Context;
 use axum::serve::ListenerExt;
 use clap::Args;
 use kiln::engine::{self, EngineConfig, ModelSource};
 use kiln::model::default_model;
-use kiln::model::tokenizer::TextCodec;
-use kiln::model::Checkpoint;
 use kiln::server::{router, AppState, KimiFormat};
 use kiln::speculative::{DraftPolicy, DrafterKind, SpecConfig, MAX_DRAFT_NODES};
 
@@ -226,7 +224,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         "--max-batch-tokens must be at least --max-running-requests (each runs one token a step)"
     );
     let kind = args.device.backend()?;
-    let (source, codec, name, temporary) = match args.synthetic.spec()? {
+    let (source, codec, name) = match args.synthetic.spec()? {
         Some(spec) => {
             let c = &spec.config;
             tracing::info!(
@@ -239,31 +237,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 "serving a synthetic model (weights generated on the device; outputs mean nothing)"
             );
             let name = args.synthetic.name();
-            (
-                ModelSource::Synthetic(spec),
-                default_model::codec(),
-                name,
-                None,
-            )
+            (ModelSource::Synthetic(spec), default_model::codec(), name)
         }
         None => {
-            let ModelDir {
-                dir,
-                name,
-                temporary,
-            } = embedded::resolve(args.model.as_deref())?;
-            if temporary {
-                tracing::info!(model = %name, "serving an embedded model");
+            let m = embedded::open(args.model.as_deref())?;
+            if m.embedded {
+                tracing::info!(model = %m.name, "serving an embedded model");
             }
-            let ckpt =
-                Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
-            let codec = TextCodec::from_dir(&dir)?;
-            (
-                ModelSource::Checkpoint(ckpt),
-                codec,
-                name,
-                temporary.then_some(dir),
-            )
+            (ModelSource::Checkpoint(m.ckpt), m.codec, m.name)
         }
     };
     let cfg = EngineConfig {
@@ -281,10 +262,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         speculative: speculative(&args)?,
     };
     let engine = engine::start(cfg, source)?;
-    if let Some(dir) = temporary {
-        // Loaded onto the device: the files are no longer needed.
-        let _ = std::fs::remove_dir_all(&dir);
-    }
     let chat = KimiFormat::new(&codec)
         .inspect_err(|e| tracing::warn!("chat completions unavailable: {e}"))
         .ok();
