@@ -17,7 +17,7 @@ use serde_json::{json, Map, Value};
 use super::chat_format::{ChatMessage, Content, FunctionCall, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, PENALTIES};
-use super::openai::{collect, tool_calls};
+use super::openai::{chat_prompt, collect, reply_ends, tool_calls};
 use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames, Stop};
 use super::tools::{self, Tools};
 use super::{session_id, SharedState};
@@ -246,23 +246,8 @@ async fn prompt(
         ));
     }
     let tools = resolve_tools(req.tools.take(), req.tool_choice.as_ref())?;
-    if state.chat.is_none() {
-        return Err(ApiError::invalid(
-            "this model's tokenizer has no chat format",
-            Some("messages"),
-        ));
-    }
     let messages = chat_messages(req.system.take(), std::mem::take(&mut req.messages))?;
-    let bytes: usize = messages.iter().map(ChatMessage::text_bytes).sum();
-    let (st, declared) = (state.clone(), tools.as_ref().map(|t| t.declared.clone()));
-    let ids = state
-        .tokenize(bytes, "messages", move || {
-            let format = st.chat.as_ref().expect("checked above");
-            format
-                .render(&st.codec, &messages, declared.as_ref())
-                .map_err(|m| ApiError::invalid(m, Some("messages")))
-        })
-        .await?;
+    let ids = chat_prompt(state, messages, tools.as_ref(), "messages").await?;
     Ok((ids, tools))
 }
 
@@ -294,12 +279,7 @@ pub async fn messages(
         )));
     };
     let (ids, tools) = prompt(&state, &mut req).await.map_err(refused)?;
-    let format = state.chat.as_ref().expect("checked by prompt");
-    // The turn's end stops it; without tools on offer, a tool-call section does too.
-    let mut stops = vec![format.turn_end()];
-    if tools.is_none() {
-        stops.push(format.section_begin());
-    }
+    let (stops, end_of_text) = reply_ends(&state, tools.as_ref(), Vec::new());
     let sampling = RawSampling {
         names: &NAMES,
         max_tokens: Some(max_tokens),
@@ -312,7 +292,6 @@ pub async fn messages(
         ignore_eos: None,
     };
     let p = prepare(&state, ids, sampling, "messages").map_err(refused)?;
-    let end_of_text = tools.as_ref().map(|_| format.section_begin());
     let mut pieces = start(&state, &p, session_id(&headers), end_of_text)?;
     let reply = Reply {
         id: format!("msg_{}", p.id),

@@ -238,38 +238,14 @@ pub async fn chat(
         )));
     }
     let tools = tools::resolve(req.tools.as_ref(), req.tool_choice.as_ref()).map_err(refused)?;
-    let Some(format) = state.chat.as_ref() else {
-        return Err(refused(ApiError::invalid(
-            "this model's tokenizer has no chat format",
-            Some("messages"),
-        )));
-    };
-    let bytes: usize = req.messages.iter().map(ChatMessage::text_bytes).sum();
-    let (st, messages, declared) = (
-        state.clone(),
-        req.messages,
-        tools.as_ref().map(|t| t.declared.clone()),
-    );
-    let prompt = state
-        .tokenize(bytes, "messages", move || {
-            let format = st.chat.as_ref().expect("checked above");
-            format
-                .render(&st.codec, &messages, declared.as_ref())
-                .map_err(|m| ApiError::invalid(m, Some("messages")))
-        })
+    let prompt = chat_prompt(&state, req.messages, tools.as_ref(), "messages")
         .await
         .map_err(refused)?;
-    // A reply ends with its turn, whatever the model's config lists as end-of-sequence;
-    // without tools on offer, a tool-call section ends it too (its marker is not text).
     let mut sampling = c.sampling();
-    let mut stops = sampling.stop_token_ids.take().unwrap_or_default();
-    stops.push(format.turn_end());
-    if tools.is_none() {
-        stops.push(format.section_begin());
-    }
+    let stops = sampling.stop_token_ids.take().unwrap_or_default();
+    let (stops, end_of_text) = reply_ends(&state, tools.as_ref(), stops);
     sampling.stop_token_ids = Some(stops);
     let p = prepare(&state, prompt, sampling, "messages").map_err(refused)?;
-    let end_of_text = tools.as_ref().map(|_| format.section_begin());
     let pieces = start(&state, &p, session_id(&headers), end_of_text)?;
     let reply = Reply {
         id: format!("chatcmpl-{}", p.id),
@@ -386,6 +362,49 @@ async fn chat_whole(
         body["prompt_token_ids"] = json!(reply.prompt_ids);
     }
     Ok(Json(body).into_response())
+}
+
+/// The prompt of a conversation: `messages` and the tools on offer rendered in the model's
+/// chat format, on the tokenizing pool; `field` names the messages in errors.
+pub(super) async fn chat_prompt(
+    state: &SharedState,
+    messages: Vec<ChatMessage>,
+    tools: Option<&Tools>,
+    field: &'static str,
+) -> Result<Vec<u32>, ApiError> {
+    if state.chat.is_none() {
+        return Err(ApiError::invalid(
+            "this model's tokenizer has no chat format",
+            Some(field),
+        ));
+    }
+    let bytes: usize = messages.iter().map(ChatMessage::text_bytes).sum();
+    let (st, declared) = (state.clone(), tools.map(|t| t.declared.clone()));
+    state
+        .tokenize(bytes, field, move || {
+            let format = st.chat.as_ref().expect("checked above");
+            format
+                .render(&st.codec, &messages, declared.as_ref())
+                .map_err(|m| ApiError::invalid(m, Some(field)))
+        })
+        .await
+}
+
+/// Where a chat reply ends: `stops` plus its turn's end (whatever the model's config lists
+/// as end-of-sequence) and, without tools on offer, a tool-call section's start (its
+/// marker is not text); and the id after which there is no more text (with tools: that
+/// section's start). Only after [`chat_prompt`], which checks the model has a chat format.
+pub(super) fn reply_ends(
+    state: &AppState,
+    tools: Option<&Tools>,
+    mut stops: Vec<u32>,
+) -> (Vec<u32>, Option<u32>) {
+    let format = state.chat.as_ref().expect("checked by chat_prompt");
+    stops.push(format.turn_end());
+    if tools.is_none() {
+        stops.push(format.section_begin());
+    }
+    (stops, tools.map(|_| format.section_begin()))
 }
 
 /// The calls of offered tools in a reply's ids (none when no tools were offered).

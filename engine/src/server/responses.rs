@@ -16,7 +16,7 @@ use serde_json::{json, Map, Value};
 use super::chat_format::{ChatMessage, Content, FunctionCall, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, PENALTIES};
-use super::openai::{collect, tool_calls};
+use super::openai::{chat_prompt, collect, reply_ends, tool_calls};
 use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames};
 use super::tools;
 use super::{session_id, unix_time, SharedState};
@@ -282,28 +282,11 @@ pub async fn responses(
     let declared = chat_tools(req.tools).map_err(refused)?;
     let choice = chat_tool_choice(req.tool_choice);
     let tools = tools::resolve(declared.as_ref(), choice.as_ref()).map_err(refused)?;
-    let Some(format) = state.chat.as_ref() else {
-        return Err(refused(invalid(
-            "this model's tokenizer has no chat format",
-            "input",
-        )));
-    };
     let messages = chat_messages(req.instructions, req.input).map_err(refused)?;
-    let bytes: usize = messages.iter().map(ChatMessage::text_bytes).sum();
-    let (st, shown) = (state.clone(), tools.as_ref().map(|t| t.declared.clone()));
-    let prompt = state
-        .tokenize(bytes, "input", move || {
-            let format = st.chat.as_ref().expect("checked above");
-            format
-                .render(&st.codec, &messages, shown.as_ref())
-                .map_err(|m| ApiError::invalid(m, Some("input")))
-        })
+    let prompt = chat_prompt(&state, messages, tools.as_ref(), "input")
         .await
         .map_err(refused)?;
-    let mut stops = vec![format.turn_end()];
-    if tools.is_none() {
-        stops.push(format.section_begin());
-    }
+    let (stops, end_of_text) = reply_ends(&state, tools.as_ref(), Vec::new());
     let sampling = RawSampling {
         names: &NAMES,
         max_tokens: req.max_output_tokens,
@@ -316,7 +299,6 @@ pub async fn responses(
         ignore_eos: None,
     };
     let p = prepare(&state, prompt, sampling, "input").map_err(refused)?;
-    let end_of_text = tools.as_ref().map(|_| format.section_begin());
     let mut pieces = start(&state, &p, session_id(&headers), end_of_text)?;
     let head = Head {
         id: format!("resp_{}", p.id),
