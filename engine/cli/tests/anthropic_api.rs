@@ -5,8 +5,8 @@
 //! official Python SDK (`anthropic`, installed by `.ci/setup`) creates, streams and counts.
 mod common;
 
-use common::post;
 use common::server::Server;
+use common::{named_events, post, post_text, run_python_client};
 use serde_json::{json, Value};
 
 async fn messages(server: &Server, body: Value) -> (u16, Value) {
@@ -146,32 +146,10 @@ async fn the_stream_is_anthropics_event_sequence() {
     let (_, whole) = messages(&server, body.clone()).await;
     let mut streamed = body;
     streamed["stream"] = json!(true);
-    let text = reqwest::Client::new()
-        .post(format!("{}/v1/messages", server.url))
-        .header("content-type", "application/json")
-        .body(streamed.to_string())
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let mut names = Vec::new();
-    let mut events = Vec::new();
-    for block in text.split("\n\n").filter(|b| !b.trim().is_empty()) {
-        let field = |f: &str| {
-            block
-                .lines()
-                .find_map(|l| l.strip_prefix(f))
-                .map(|v| v.trim_start().to_string())
-        };
-        let (Some(name), Some(data)) = (field("event:"), field("data:")) else {
-            continue; // keep-alive comments
-        };
-        let data: Value = serde_json::from_str(&data).unwrap();
+    let text = post_text(&format!("{}/v1/messages", server.url), &streamed).await;
+    let (names, events): (Vec<String>, Vec<Value>) = named_events(&text).into_iter().unzip();
+    for (name, data) in names.iter().zip(&events) {
         assert_eq!(data["type"], name.as_str(), "an event's name is its type");
-        names.push(name);
-        events.push(data);
     }
     assert!(!text.contains("[DONE]"));
     assert_eq!(names[0], "message_start");
@@ -262,15 +240,5 @@ n = c.messages.count_tokens(model="kiln-tiny-random", system="Be terse.", messag
 assert n.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens, (n, m.usage)
 print("ok", len(text))
 "#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script, &server.url])
-        .output()
-        .expect("python3 runs (installed by .ci/setup)");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !stderr.contains("No module named 'anthropic'"),
-        "the anthropic SDK is missing: run .ci/setup (pip install anthropic==2.17.0)"
-    );
-    assert!(out.status.success(), "{stderr}");
-    assert!(String::from_utf8_lossy(&out.stdout).starts_with("ok"));
+    run_python_client(script, &server.url, "anthropic", "anthropic==2.17.0");
 }

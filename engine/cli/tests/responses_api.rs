@@ -4,8 +4,8 @@
 //! Python SDK (`openai`, installed by `.ci/setup`) creates and streams responses.
 mod common;
 
-use common::post;
 use common::server::Server;
+use common::{named_events, post, post_text, run_python_client};
 use serde_json::{json, Value};
 
 async fn responses(server: &Server, body: Value) -> (u16, Value) {
@@ -135,29 +135,10 @@ async fn the_stream_is_the_apis_event_sequence() {
     let (_, whole) = responses(&server, body.clone()).await;
     let mut streamed = body;
     streamed["stream"] = json!(true);
-    let text = reqwest::Client::new()
-        .post(format!("{}/v1/responses", server.url))
-        .header("content-type", "application/json")
-        .body(streamed.to_string())
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = post_text(&format!("{}/v1/responses", server.url), &streamed).await;
     let mut events = Vec::new();
-    for block in text.split("\n\n").filter(|b| !b.trim().is_empty()) {
-        let field = |f: &str| {
-            block
-                .lines()
-                .find_map(|l| l.strip_prefix(f))
-                .map(str::trim_start)
-        };
-        let (Some(name), Some(data)) = (field("event:"), field("data:")) else {
-            continue;
-        };
-        let data: Value = serde_json::from_str(data).unwrap();
-        assert_eq!(data["type"], name);
+    for (name, data) in named_events(&text) {
+        assert_eq!(data["type"], name.as_str(), "an event's name is its type");
         events.push(data);
     }
     assert!(!text.contains("[DONE]"));
@@ -235,15 +216,5 @@ assert deltas == text, (deltas, text)
 assert events[-1].response.usage.output_tokens == r.usage.output_tokens
 print("ok", len(text))
 "#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script, &server.url])
-        .output()
-        .expect("python3 runs (installed by .ci/setup)");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !stderr.contains("No module named 'openai'"),
-        "the openai SDK is missing: run .ci/setup (pip install openai==3.63.0)"
-    );
-    assert!(out.status.success(), "{stderr}");
-    assert!(String::from_utf8_lossy(&out.stdout).starts_with("ok"));
+    run_python_client(script, &server.url, "openai", "openai==3.63.0");
 }

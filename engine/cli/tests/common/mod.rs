@@ -24,3 +24,52 @@ pub async fn post(url: &str, body: impl Into<reqwest::Body>, key: Option<&str>) 
         serde_json::from_str(&text).unwrap_or(Value::String(text)),
     )
 }
+
+/// POSTs a JSON `body` and returns the reply's text whole (a stream read to its end).
+pub async fn post_text(url: &str, body: &Value) -> String {
+    reqwest::Client::new()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("an answer")
+        .text()
+        .await
+        .expect("a body")
+}
+
+/// A server-sent-event body of named events as (name, JSON data) pairs, keep-alive
+/// comments skipped.
+pub fn named_events(text: &str) -> Vec<(String, Value)> {
+    let mut events = Vec::new();
+    for block in text.split("\n\n").filter(|b| !b.trim().is_empty()) {
+        let field = |f: &str| {
+            block
+                .lines()
+                .find_map(|l| l.strip_prefix(f))
+                .map(str::trim_start)
+        };
+        if let (Some(name), Some(data)) = (field("event:"), field("data:")) {
+            let data = serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data}"));
+            events.push((name.to_string(), data));
+        }
+    }
+    events
+}
+
+/// Runs a Python `script` with `url` as its argument, which must print `ok` first; the
+/// SDK it imports (`module`, pinned by .ci/setup as `pin`) is named if missing.
+pub fn run_python_client(script: &str, url: &str, module: &str, pin: &str) {
+    let out = std::process::Command::new("python3")
+        .args(["-c", script, url])
+        .output()
+        .expect("python3 runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains(&format!("No module named '{module}'")),
+        "the {module} SDK is missing: run .ci/setup (pip install {pin})"
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("ok"));
+}
