@@ -1,24 +1,16 @@
 //! Whole pages of a paged KV cache copied to and from a dense staging buffer, every row as
 //! the cache stores it (any [`KvFormat`], bit for bit): what the prefix cache's host tier
-//! moves. [`gather_pages`] stages pages for a read back to the host; [`scatter_pages`]
-//! writes staged pages uploaded from the host into their places.
+//! moves. [`gather_pages`] stages pages for a read back to the host (the MoE dispatch's
+//! row gather); [`scatter_pages`] writes staged pages uploaded from the host into their
+//! places.
 use cubecl::prelude::*;
 
 use super::PagedKvCache;
 use crate::buffer::{check_index_space, check_len};
+use crate::moe::gather_rows;
 use crate::{DeviceArray, KernelError};
 
 const UNITS: u32 = 256;
-
-#[cube(launch_unchecked)]
-fn gather_kernel(cache: &Array<u32>, pages: &Array<u32>, out: &mut Array<u32>, words: u32) {
-    let p = CUBE_POS_X as usize;
-    let w = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
-    let n = words as usize;
-    if w < n {
-        out[p * n + w] = cache[pages[p] as usize * n + w];
-    }
-}
 
 #[cube(launch_unchecked)]
 fn scatter_kernel(staged: &Array<u32>, pages: &Array<u32>, cache: &mut Array<u32>, words: u32) {
@@ -71,31 +63,20 @@ fn validate<R: Runtime>(
     ))
 }
 
-/// `staged[i] = page pages[i] of kv` (pages of [`page_words`] words each).
+/// `staged[i] = page pages[i] of kv` (pages of [`page_words`] words each): the MoE
+/// dispatch's row gather over the cache's words.
 pub fn gather_pages<R: Runtime>(
     client: &ComputeClient<R>,
     kv: &PagedKvCache,
     pages: &[u32],
     staged: &DeviceArray<u32>,
 ) -> Result<(), KernelError> {
-    let grid = validate(client, kv, pages, staged)?;
+    validate(client, kv, pages, staged)?;
     if pages.is_empty() {
         return Ok(());
     }
     let ids = DeviceArray::upload(client, pages);
-    // SAFETY: every page id and both buffers' lengths validated above.
-    unsafe {
-        gather_kernel::launch_unchecked::<R>(
-            client,
-            grid,
-            CubeDim::new_1d(UNITS),
-            kv.data.arg(),
-            ids.arg(),
-            staged.arg(),
-            page_words(kv) as u32,
-        )
-    }
-    Ok(())
+    gather_rows(client, &kv.data, page_words(kv), &ids, staged)
 }
 
 /// `page pages[i] of kv = staged[i]`; `pages` must be distinct.

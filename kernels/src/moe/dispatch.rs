@@ -225,7 +225,7 @@ pub fn dispatch<R: Runtime>(
 }
 
 #[cube(launch_unchecked)]
-fn gather_kernel(x: &Array<f32>, source: &Array<u32>, out: &mut Array<f32>, cols: u32) {
+fn gather_kernel<E: CubePrimitive>(x: &Array<E>, source: &Array<u32>, out: &mut Array<E>, cols: u32) {
     let r = CUBE_POS_X as usize;
     let c = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
     let n = cols as usize;
@@ -234,13 +234,14 @@ fn gather_kernel(x: &Array<f32>, source: &Array<u32>, out: &mut Array<f32>, cols
     }
 }
 
-/// `out[r, :] = x[source[r], :]` for rows of `cols` values.
-pub fn gather_rows<R: Runtime>(
+/// `out[r, :] = x[source[r], :]` for rows of `cols` values of any element type (f32
+/// activations; u32 words of KV pages, `mla::gather_pages`).
+pub fn gather_rows<R: Runtime, E: CubePrimitive + CubeElement>(
     client: &ComputeClient<R>,
-    x: &DeviceArray<f32>,
+    x: &DeviceArray<E>,
     cols: usize,
     source: &DeviceArray<u32>,
-    out: &DeviceArray<f32>,
+    out: &DeviceArray<E>,
 ) -> Result<(), KernelError> {
     if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(KernelError::Alignment {
@@ -264,7 +265,7 @@ pub fn gather_rows<R: Runtime>(
     }
     // SAFETY: shapes validated; sources are trusted to index rows of `x`.
     unsafe {
-        gather_kernel::launch_unchecked::<R>(
+        gather_kernel::launch_unchecked::<E, R>(
             client,
             CubeCount::Static(source.len() as u32, (cols as u32).div_ceil(UNITS), 1),
             CubeDim::new_1d(UNITS),
