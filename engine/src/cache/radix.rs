@@ -375,10 +375,14 @@ impl PrefixCache for RadixCache {
             .filter(|&(id, _)| self.is_device_frontier(id))
             .map(|(id, n)| (Reverse(n.last_access), id))
             .collect();
-        let mut host_leaves: BinaryHeap<(Reverse<u64>, usize)> = (self.live())
-            .filter(|(_, n)| n.children.is_empty() && n.ends_host_only())
-            .map(|(id, n)| (Reverse(n.last_access), id))
-            .collect();
+        // Without a host tier no page is host-only: no walk for them.
+        let mut host_leaves: BinaryHeap<(Reverse<u64>, usize)> = match self.host.capacity {
+            0 => BinaryHeap::new(),
+            _ => (self.live())
+                .filter(|(_, n)| n.children.is_empty() && n.ends_host_only())
+                .map(|(id, n)| (Reverse(n.last_access), id))
+                .collect(),
+        };
         let mut freed = 0;
         while freed < want {
             let Some((_, id)) = frontier.pop() else { break };

@@ -225,7 +225,12 @@ pub fn dispatch<R: Runtime>(
 }
 
 #[cube(launch_unchecked)]
-fn gather_kernel<E: CubePrimitive>(x: &Array<E>, source: &Array<u32>, out: &mut Array<E>, cols: u32) {
+fn gather_kernel<E: CubePrimitive>(
+    x: &Array<E>,
+    source: &Array<u32>,
+    out: &mut Array<E>,
+    cols: u32,
+) {
     let r = CUBE_POS_X as usize;
     let c = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
     let n = cols as usize;
