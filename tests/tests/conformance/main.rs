@@ -8,4 +8,5 @@ mod gemm;
 mod glue;
 mod mla;
 mod moe;
+mod page_copy;
 mod tree;

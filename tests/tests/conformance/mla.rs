@@ -5,9 +5,8 @@ use crate::cases::{reports_pass, run_cases};
 use cubecl::prelude::*;
 use kiln_conformance::mla::{run_mla, AttnMode, MlaCase};
 use kiln_kernels::mla::{
-    absorb_query, absorbs_on_tensor_cores, gather_pages, mla_decode, mla_prefill, page_words,
-    project_values, scatter_pages, write_kv, write_kv_normed, AttnMetadata, KvBShape, KvFormat,
-    KvRowPrep, PagedKvCache,
+    absorb_query, absorbs_on_tensor_cores, mla_decode, mla_prefill, project_values, write_kv,
+    write_kv_normed, AttnMetadata, KvBShape, KvFormat, KvRowPrep, PagedKvCache,
 };
 use kiln_kernels::rope::Rotation;
 use kiln_kernels::Precision;
@@ -363,80 +362,6 @@ fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
     });
 }
 
-/// Whole pages staged out of a cache and scattered into another, in any format: every word
-/// lands where the page list says, bit for bit (random bits, NaN patterns included), and
-/// pages not listed keep their contents. Odd page sizes, repeated pages when gathering.
-fn page_copies<R: Runtime>(client: &ComputeClient<R>) {
-    let strategy = (1usize..=7, 1usize..=9, formats(), any::<u64>());
-    run_cases(16, &strategy, |(page_size, num_pages, format, seed)| {
-        let mut rng = Rng::new(seed);
-        let words = page_size * format.words_per_row();
-        let cache = |rng: &mut Rng| {
-            let data: Vec<u32> = (0..num_pages * words)
-                .map(|_| rng.next_u64() as u32)
-                .collect();
-            let kv = PagedKvCache {
-                data: DeviceArray::upload(client, &data),
-                format,
-                page_size,
-                num_pages,
-            };
-            (data, kv)
-        };
-        let (src, from) = cache(&mut rng);
-        let (mut want, to) = cache(&mut rng);
-        let n = 1 + rng.below(num_pages);
-        let gathered: Vec<u32> = (0..n).map(|_| rng.below(num_pages) as u32).collect();
-        let staged = DeviceArray::filled(client, n * words, 0xdead_beef);
-        gather_pages(client, &from, &gathered, &staged).unwrap();
-        let got = staged.read(client);
-        for (i, &p) in gathered.iter().enumerate() {
-            let page = &src[p as usize * words..(p as usize + 1) * words];
-            prop_assert_eq!(
-                &got[i * words..(i + 1) * words],
-                page,
-                "gathered page {}",
-                p
-            );
-        }
-        // Distinct destinations, in a shuffled order.
-        let mut targets: Vec<u32> = (0..num_pages as u32).collect();
-        rng.shuffle(&mut targets);
-        targets.truncate(n);
-        scatter_pages(client, &staged, &targets, &to).unwrap();
-        for (i, &p) in targets.iter().enumerate() {
-            want[p as usize * words..(p as usize + 1) * words]
-                .copy_from_slice(&got[i * words..(i + 1) * words]);
-        }
-        prop_assert_eq!(to.data.read(client), want);
-        Ok(())
-    });
-}
-
-/// A page beyond the pool, a staging buffer of the wrong size and a page scattered twice
-/// are typed errors, not launches.
-fn bad_page_copies_are_refused<R: Runtime>(client: &ComputeClient<R>) {
-    let kv = PagedKvCache {
-        data: DeviceArray::filled(client, 4 * 2 * KvFormat::Bf16.words_per_row(), 0u32),
-        format: KvFormat::Bf16,
-        page_size: 2,
-        num_pages: 4,
-    };
-    let staged = DeviceArray::filled(client, 2 * page_words(&kv), 0u32);
-    assert!(matches!(
-        gather_pages(client, &kv, &[0, 4], &staged),
-        Err(KernelError::Range { .. })
-    ));
-    assert!(matches!(
-        gather_pages(client, &kv, &[0], &staged),
-        Err(KernelError::Length { .. })
-    ));
-    assert!(matches!(
-        scatter_pages(client, &staged, &[1, 1], &kv),
-        Err(KernelError::Mismatch { .. })
-    ));
-}
-
 /// Rows straight from the `kv_a` projection: the cache holds the reference's RMSNorm of the
 /// latent and rotation of the rope part (Kimi's YaRN, positions up to 200k), within the f32
 /// chain's bound plus the storage format's rounding (fp8: at up to twice the reference's
@@ -642,8 +567,6 @@ fn absorption<R: Runtime>(client: &ComputeClient<R>) {
 kiln_backends::backend_tests! {
     absorption,
     cache_writes,
-    page_copies,
-    bad_page_copies_are_refused,
     normed_cache_writes,
     decode,
     prefill,
