@@ -8,6 +8,8 @@
 //!   prefill/extend, with bf16 or FlashMLA-layout fp8 KV;
 //! - [`tree_verify`]: greedy and stochastic verification of speculative token trees;
 //! - [`argmax`]: each row's largest value's index (greedy decoding on the device);
+//! - [`sample`]: each row's token under its sampling parameters (greedy, temperature,
+//!   top-k, top-p, min-p; Philox keyed by seed and position);
 //! - [`moe`]: routing, dispatch to the grouped GEMM and the weighted combine;
 //! - the model's glue: [`rmsnorm`] (with the fused residual add), [`rope`], [`activation`]
 //!   (SwiGLU) and [`embedding`].
@@ -33,6 +35,7 @@ pub mod moe;
 mod reduce;
 pub mod rmsnorm;
 pub mod rope;
+pub mod sample;
 pub mod tensor_cores;
 pub mod tree_verify;
 mod warp_mma;

@@ -26,6 +26,7 @@ pub mod moe_gate;
 pub mod norm;
 pub use kiln_core::nvfp4;
 pub mod rope;
+pub mod sampling;
 pub mod softmax;
 pub mod stats;
 pub mod tolerance;

@@ -10,10 +10,14 @@
 //! - [`nvfp4`]: [`nvfp4::Nvfp4Matrix`], ModelOpt's NVFP4 layout and its quantizer.
 //! - [`rope`]: [`rope::YarnConfig`], inverse frequencies, cos/sin and softmax scales.
 //! - [`rng`]: [`rng::Rng`], seeded xoshiro256**.
+//! - [`philox`]: Philox4x32-10, the counter-based generator device sampling draws from.
+//! - [`sampling`]: [`sampling::SamplingRow`], how a row of logits is sampled.
 //! - [`session`]: the request headers that name an agent session.
 pub mod formats;
 pub mod model;
 pub mod nvfp4;
+pub mod philox;
 pub mod rng;
 pub mod rope;
+pub mod sampling;
 pub mod session;

@@ -8,10 +8,11 @@
 use cubecl::prelude::*;
 
 use crate::buffer::{check_index_space, check_len};
+use crate::reduce::{better, cube_best};
 use crate::{DeviceArray, KernelError};
 
 /// Units per cube (a power of two, for the reduction).
-const UNITS: u32 = 256;
+pub(crate) const UNITS: u32 = 256;
 /// An index no row has: "nothing seen yet".
 const NONE: u32 = u32::MAX;
 
@@ -58,45 +59,43 @@ pub fn argmax_rows<R: Runtime>(
 fn argmax_kernel(logits: &Array<f32>, out: &mut Array<u32>, vocab: u32) {
     let row = CUBE_POS_X as usize;
     let unit = UNIT_POS_X as usize;
-    let base = row * vocab as usize;
+    let mut values = SharedMemory::<f32>::new(UNITS as usize);
+    let mut indices = SharedMemory::<u32>::new(UNITS as usize);
+    let found = row_argmax(
+        logits,
+        row * vocab as usize,
+        vocab as usize,
+        unit,
+        &mut values,
+        &mut indices,
+    );
+    if unit == 0 {
+        out[row] = found;
+    }
+}
+
+/// The argmax of `logits[base..base + vocab]` (0 when it holds no number), for every unit
+/// of a cube of [`UNITS`].
+#[cube]
+pub(crate) fn row_argmax(
+    logits: &Array<f32>,
+    base: usize,
+    vocab: usize,
+    unit: usize,
+    values: &mut SharedMemory<f32>,
+    indices: &mut SharedMemory<u32>,
+) -> u32 {
+    let none = u32::new(NONE as i64);
     let mut best = 0.0f32;
-    let mut best_at = u32::new(NONE as i64);
+    let mut best_at = none;
     // Ascending indices: a later equal value never replaces an earlier one.
-    for j in range_stepped(unit, vocab as usize, UNITS as usize) {
+    for j in range_stepped(unit, vocab, UNITS as usize) {
         let v = logits[base + j];
-        if better(v, j as u32, best, best_at) {
+        if better(v, j as u32, best, best_at, none) {
             best = v;
             best_at = j as u32;
         }
     }
-    let mut values = SharedMemory::<f32>::new(UNITS as usize);
-    let mut indices = SharedMemory::<u32>::new(UNITS as usize);
-    values[unit] = best;
-    indices[unit] = best_at;
-    sync_cube();
-    let levels = comptime!(UNITS.trailing_zeros());
-    for level in 0..levels {
-        let stride = (UNITS as usize) >> (level + 1) as usize;
-        if unit < stride {
-            let v = values[unit + stride];
-            let at = indices[unit + stride];
-            if better(v, at, values[unit], indices[unit]) {
-                values[unit] = v;
-                indices[unit] = at;
-            }
-        }
-        sync_cube();
-    }
-    if unit == 0 {
-        let found = indices[0];
-        out[row] = select(found == NONE, 0u32, found);
-    }
-}
-
-/// Whether `(v, at)` beats `(best, best_at)`: a number against nothing, a larger number,
-/// or an equal one at a lower index.
-#[cube]
-fn better(v: f32, at: u32, best: f32, best_at: u32) -> bool {
-    let number = at != NONE && !v.is_nan();
-    number && (best_at == NONE || v > best || (v == best && at < best_at))
+    let found = cube_best(best, best_at, values, indices, unit, none, UNITS);
+    select(found == none, 0u32, found)
 }

@@ -9,4 +9,5 @@ mod glue;
 mod mla;
 mod moe;
 mod page_copy;
+mod sample;
 mod tree;

@@ -1,0 +1,264 @@
+//! Sampling on the device against `kiln_reference::sampling`, on every backend: the same
+//! token as the race by definition wherever the race is not a near-tie, the sampled
+//! distribution by a chi-square test, the same token whatever the batch; outputs poisoned
+//! before each launch.
+use crate::cases::run_cases;
+use cubecl::prelude::*;
+use kiln_kernels::sample::sample_rows;
+use kiln_kernels::{DeviceArray, KernelError};
+use kiln_reference::data::{normal_with_outliers, Rng};
+use kiln_reference::sampling::{distribution, draw, kept, SamplingRow};
+use kiln_reference::stats::{chi_square, critical_value_p001};
+use proptest::prelude::*;
+
+const POISON: u32 = u32::MAX - 1;
+
+/// The device's token for each row.
+fn sample<R: Runtime>(
+    client: &ComputeClient<R>,
+    logits: &[f32],
+    vocab: usize,
+    rows: &[SamplingRow],
+) -> Vec<u32> {
+    let params: Vec<u32> = rows.iter().flat_map(|r| r.words()).collect();
+    let out = DeviceArray::filled(client, rows.len(), POISON);
+    sample_rows(
+        client,
+        &DeviceArray::upload(client, logits),
+        rows.len(),
+        vocab,
+        &DeviceArray::upload(client, &params),
+        &out,
+    )
+    .unwrap();
+    out.read(client)
+}
+
+/// Parameters of every kind: greedy, plain temperature, each filter and all of them.
+fn params() -> impl Strategy<Value = SamplingRow> {
+    let temperature = prop_oneof![Just(0.0f32), 0.05f32..2.0];
+    let top_p = prop_oneof![Just(1.0f32), 0.05f32..1.0];
+    let top_k = prop_oneof![Just(0u32), 1u32..40];
+    let min_p = prop_oneof![Just(0.0f32), 0.0f32..0.5];
+    (temperature, top_p, top_k, min_p, any::<u64>(), any::<u32>()).prop_map(
+        |(temperature, top_p, top_k, min_p, seed, position)| SamplingRow {
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            seed,
+            position,
+        },
+    )
+}
+
+/// Rows of normal logits with outliers, some with ties, infinities and NaN.
+fn logit_rows(rng: &mut Rng, rows: usize, vocab: usize) -> Vec<f32> {
+    let mut x = normal_with_outliers(rng, rows * vocab, 2.0);
+    for row in x.chunks_mut(vocab) {
+        match rng.below(4) {
+            0 => {
+                let v = row[rng.below(vocab)];
+                row[rng.below(vocab)] = v;
+            }
+            1 => {
+                row[rng.below(vocab)] = f32::NAN;
+                row[rng.below(vocab)] = f32::NEG_INFINITY;
+            }
+            _ => {}
+        }
+    }
+    x
+}
+
+/// Whether `row`'s kept set is the same with its thresholds nudged both ways (the device
+/// sums the mass in another order and in f32, so a token on a threshold may go either way).
+fn kept_is_stable(logits: &[f32], row: &SamplingRow) -> bool {
+    let nudged = |f: f32| SamplingRow {
+        top_p: if row.top_p < 1.0 {
+            (row.top_p * f).min(1.0)
+        } else {
+            1.0
+        },
+        min_p: row.min_p * f,
+        ..*row
+    };
+    let want = kept(logits, row);
+    kept(logits, &nudged(1.0 + 1e-4)) == want && kept(logits, &nudged(1.0 - 1e-4)) == want
+}
+
+/// The range of the kept tokens' logits (clamped as the sampler reads them).
+fn key_span(logits: &[f32], keep: &[bool]) -> f64 {
+    let kept = logits.iter().zip(keep).filter(|k| *k.1);
+    let (lo, hi) = kept.fold((f64::MAX, f64::MIN), |(lo, hi), (&l, _)| {
+        let l = l.clamp(-f32::MAX, f32::MAX) as f64;
+        (lo.min(l), hi.max(l))
+    });
+    (hi - lo).max(0.0)
+}
+
+fn rows_draw_the_race_by_definition<R: Runtime>(client: &ComputeClient<R>) {
+    let width = prop_oneof![1usize..=600, Just(163_840usize)];
+    let rows = prop::collection::vec(params(), 1..=4);
+    // (sampled rows, those compared token for token): near-ties and thresholds must stay rare.
+    let compared = std::cell::Cell::new((0usize, 0usize));
+    run_cases(24, &(width, rows, any::<u64>()), |(vocab, rows, seed)| {
+        let mut rng = Rng::new(seed);
+        let x = logit_rows(&mut rng, rows.len(), vocab);
+        let got = sample(client, &x, vocab, &rows);
+        for (i, row) in rows.iter().enumerate() {
+            let logits = &x[i * vocab..(i + 1) * vocab];
+            let want = draw(logits, row);
+            let keep = kept(logits, row);
+            let t = got[i] as usize;
+            prop_assert!(t < vocab, "row {i}: token {t} of {vocab}");
+            // The device's keys are f32 sums of (l - max) / T and -ln(E) (|ln E| < 18 for
+            // any draw): each off by a few ulps of those terms' size.
+            let span = key_span(logits, &keep) / row.temperature as f64;
+            let tie = want.margin <= 64.0 * f32::EPSILON as f64 * (span + 18.0);
+            let exact = !tie && kept_is_stable(logits, row);
+            if row.is_sampled() {
+                let (n, e) = compared.get();
+                compared.set((n + 1, e + exact as usize));
+            }
+            if !row.is_sampled() || exact {
+                prop_assert_eq!(got[i], want.token, "row {} {:?}", i, row);
+            } else if !logits.iter().all(|l| l.is_nan()) {
+                prop_assert!(
+                    keep[t] || !kept_is_stable(logits, row),
+                    "row {i}: token {t} is not kept under {row:?}"
+                );
+            }
+        }
+        Ok(())
+    });
+    let (sampled, exact) = compared.get();
+    assert!(
+        exact * 10 >= sampled * 9,
+        "{exact} of {sampled} sampled rows compared exactly"
+    );
+}
+
+fn draws_follow_the_distribution<R: Runtime>(client: &ComputeClient<R>) {
+    let vocab = 13;
+    let logits: Vec<f32> = (0..vocab).map(|i| (i as f32 * 1.7).sin() * 2.5).collect();
+    let base = SamplingRow {
+        temperature: 0.8,
+        seed: 99,
+        ..SamplingRow::greedy()
+    };
+    for row in [
+        base,
+        SamplingRow { top_p: 0.8, ..base },
+        SamplingRow { top_k: 4, ..base },
+        SamplingRow {
+            min_p: 0.15,
+            ..base
+        },
+        SamplingRow {
+            temperature: 1.6,
+            top_p: 0.9,
+            top_k: 6,
+            min_p: 0.05,
+            ..base
+        },
+    ] {
+        let draws = 4096;
+        let rows: Vec<SamplingRow> = (0..draws)
+            .map(|position| SamplingRow { position, ..row })
+            .collect();
+        let x: Vec<f32> = logits
+            .iter()
+            .copied()
+            .cycle()
+            .take(draws as usize * vocab)
+            .collect();
+        let mut counts = vec![0usize; vocab];
+        for t in sample(client, &x, vocab, &rows) {
+            counts[t as usize] += 1;
+        }
+        let fit = chi_square(&counts, &distribution(&logits, &row));
+        assert_eq!(fit.impossible, 0, "{row:?}: {counts:?}");
+        assert!(
+            fit.statistic < critical_value_p001(fit.dof),
+            "{row:?}: {counts:?} {fit:?}"
+        );
+    }
+}
+
+fn a_row_draws_the_same_token_in_any_batch<R: Runtime>(client: &ComputeClient<R>) {
+    let vocab = 517;
+    let mut rng = Rng::new(5);
+    let x = logit_rows(&mut rng, 8, vocab);
+    let rows: Vec<SamplingRow> = (0..8)
+        .map(|i| SamplingRow {
+            temperature: 0.5 + i as f32 * 0.2,
+            top_p: if i % 2 == 0 { 0.9 } else { 1.0 },
+            top_k: if i % 3 == 0 { 20 } else { 0 },
+            seed: 1000 + i as u64,
+            position: 40 + i,
+            ..SamplingRow::greedy()
+        })
+        .collect();
+    let together = sample(client, &x, vocab, &rows);
+    for (i, row) in rows.iter().enumerate() {
+        let alone = sample(client, &x[i * vocab..(i + 1) * vocab], vocab, &[*row]);
+        assert_eq!(alone[0], together[i], "row {i}");
+    }
+    // Another position draws again.
+    let moved: Vec<SamplingRow> = rows
+        .iter()
+        .map(|r| SamplingRow {
+            position: r.position + 1,
+            ..*r
+        })
+        .collect();
+    assert_ne!(sample(client, &x, vocab, &moved), together);
+}
+
+fn rows_without_numbers_and_bad_shapes<R: Runtime>(client: &ComputeClient<R>) {
+    let nan = [f32::NAN; 6];
+    let sampled = SamplingRow {
+        temperature: 1.0,
+        top_p: 0.5,
+        ..SamplingRow::greedy()
+    };
+    assert_eq!(
+        sample(client, &nan, 3, &[sampled, SamplingRow::greedy()]),
+        vec![0, 0]
+    );
+    // Out-of-range parameters still give a token.
+    let odd = SamplingRow {
+        top_p: 0.0,
+        min_p: 2.0,
+        ..sampled
+    };
+    let t = sample(client, &[0.5, 2.0, 1.0], 3, &[odd]);
+    assert!(t[0] < 3, "{t:?}");
+    let logits = DeviceArray::upload(client, &[0.0f32; 6]);
+    let out = DeviceArray::filled(client, 2, POISON);
+    let short = DeviceArray::upload(client, &sampled.words());
+    let err = sample_rows(client, &logits, 2, 3, &short, &out);
+    assert!(
+        matches!(
+            err,
+            Err(KernelError::Length {
+                what: "sampling parameters",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let err = sample_rows(client, &logits, 0, 6, &short, &out);
+    assert!(
+        matches!(err, Err(KernelError::Range { what: "rows", .. })),
+        "{err:?}"
+    );
+}
+
+kiln_backends::backend_tests! {
+    rows_draw_the_race_by_definition,
+    draws_follow_the_distribution,
+    a_row_draws_the_same_token_in_any_batch,
+    rows_without_numbers_and_bad_shapes,
+}
