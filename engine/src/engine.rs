@@ -398,9 +398,9 @@ fn run<R: Runtime>(
                     StepKind::Prefill
                 };
                 let shape = step.decode_shape();
-                let scores = match step.batch.argmax_only {
-                    true => Scores::Argmax(&out.argmax),
-                    false => Scores::Logits(&out.logits, vocab),
+                let scores = match step.batch.sampling {
+                    Some(_) => Scores::Tokens(&out.tokens),
+                    None => Scores::Logits(&out.logits, vocab),
                 };
                 sched.complete(step, scores);
                 if let Some(shape) = shape {

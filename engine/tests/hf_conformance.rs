@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 
 use kiln::model::Checkpoint;
 use kiln_reference::model::{forward, forward_with_kv, hidden_states_with_kv, KvStorage};
+use kiln_reference::sampling::SamplingRow;
 use safetensors::{Dtype, SafeTensors};
 
 fn fixture(name: &str) -> PathBuf {
@@ -463,21 +464,41 @@ fn bad_batches_are_refused<R: Runtime>(client: &ComputeClient<R>) {
     }
 }
 
-/// A step of greedy requests reads back each row's argmax, computed on the device: the
-/// argmax of the logits the same step returns otherwise.
-fn argmax_only_steps_return_the_argmax_of_the_logits<R: Runtime>(client: &ComputeClient<R>) {
+/// A step that samples on the device reads back each row's token: the argmax of the logits
+/// the same step returns otherwise for greedy rows, the oracle's draw from them for sampled
+/// rows (wherever the draw is not a near-tie).
+fn sampling_steps_return_the_draws_from_their_logits<R: Runtime>(client: &ComputeClient<R>) {
     let (ckpt, model) = device_model(client, "tiny-kimi", Precision::Exact);
     let (tokens, _) = golden(&fixture("tiny-kimi")).pop().unwrap();
     let (batch, pool) = whole_sequence(&model, &tokens, KvFormat::F32);
     let logits = model.forward(&batch, &pool).unwrap();
-    let (mut greedy, pool) = whole_sequence(&model, &tokens, KvFormat::F32);
-    greedy.argmax_only = true;
-    let out = model.step(&greedy, &pool).unwrap();
+    let (mut sampled, pool) = whole_sequence(&model, &tokens, KvFormat::F32);
+    let rows: Vec<SamplingRow> = (0..tokens.len())
+        .map(|i| SamplingRow {
+            temperature: if i % 3 == 0 { 0.0 } else { 0.8 },
+            top_p: 0.9,
+            top_k: if i % 2 == 0 { 0 } else { 20 },
+            min_p: 0.0,
+            seed: 11,
+            position: i as u32,
+        })
+        .collect();
+    sampled.sampling = Some(rows.clone());
+    let out = model.step(&sampled, &pool).unwrap();
     assert!(out.logits.is_empty());
     let vocab = ckpt.spec.arch.vocab_size;
-    assert_eq!(
-        out.argmax,
-        kiln_reference::argmax::argmax_rows(&logits, vocab)
+    let mut compared = 0;
+    for (i, (row, l)) in rows.iter().zip(logits.chunks(vocab)).enumerate() {
+        let want = kiln_reference::sampling::draw(l, row);
+        if !row.is_sampled() || want.margin > 1e-3 {
+            assert_eq!(out.tokens[i], want.token, "row {i}: {row:?}");
+            compared += 1;
+        }
+    }
+    assert!(
+        compared * 10 >= rows.len() * 9,
+        "{compared} of {} rows compared",
+        rows.len()
     );
 }
 
@@ -551,5 +572,5 @@ kiln_backends::backend_tests! {
     other_mla_dims_are_refused,
     bad_batches_are_refused,
     a_draft_tree_scores_each_node_as_its_path_alone,
-    argmax_only_steps_return_the_argmax_of_the_logits,
+    sampling_steps_return_the_draws_from_their_logits,
 }

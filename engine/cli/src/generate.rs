@@ -9,9 +9,8 @@ use crate::embedded;
 use cubecl::prelude::*;
 use kiln::model::gpu::{Batch, GpuModel, RequestSlice};
 use kiln::model::Checkpoint;
-use kiln::sampling::sample;
 use kiln_backends::{with_backend, BackendVisitor, DeviceReport};
-use kiln_core::rng::Rng;
+use kiln_core::sampling::SamplingRow;
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -28,7 +27,16 @@ pub struct GenerateArgs {
     /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
-    /// Seed of the sampler.
+    /// Nucleus filter: keep the tokens whose larger-logit tokens hold less than this.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep the K most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    /// Keep the tokens at least this times as likely as the most likely one (0: all).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Seed of the sampler (tokens are drawn on the device, keyed by seed and position).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     #[command(flatten)]
@@ -65,8 +73,8 @@ impl BackendVisitor for Generate<'_> {
         let pages = total.div_ceil(PAGE);
         let pool = model.kv_pool(pages, PAGE, self.args.device.kv_cache_dtype.into());
         let table: Vec<u32> = (0..pages as u32).collect();
-        let vocab = model.config.vocab_size;
-        let mut rng = Rng::new(self.args.seed);
+        let a = self.args;
+        // Each step draws its one token on the device, after its context.
         let step = |tokens: Vec<u32>, kv_len: usize| {
             let slice = RequestSlice {
                 tokens,
@@ -74,17 +82,20 @@ impl BackendVisitor for Generate<'_> {
                 block_table: table[..kv_len.div_ceil(PAGE)].to_vec(),
                 tree: None,
             };
-            model.step(&Batch::new(vec![slice]), &pool)
+            let mut batch = Batch::last_logits(vec![slice]);
+            batch.sampling = Some(vec![SamplingRow {
+                temperature: a.temperature,
+                top_p: a.top_p,
+                top_k: a.top_k,
+                min_p: a.min_p,
+                seed: a.seed,
+                position: kv_len as u32,
+            }]);
+            model.step(&batch, &pool)
         };
         let start = Instant::now();
-        let logits = step(self.prompt.clone(), self.prompt.len())?.logits;
+        let mut next = step(self.prompt.clone(), self.prompt.len())?.tokens[0];
         let prefill_s = start.elapsed().as_secs_f64();
-        let mut next = sample(
-            &logits[logits.len() - vocab..],
-            self.args.temperature,
-            1.0,
-            &mut rng,
-        );
         let mut out = Vec::new();
         let mut launches = 0;
         let start = Instant::now();
@@ -95,7 +106,7 @@ impl BackendVisitor for Generate<'_> {
             }
             let decoded = step(vec![next], self.prompt.len() + out.len())?;
             launches = decoded.launches;
-            next = sample(&decoded.logits, self.args.temperature, 1.0, &mut rng);
+            next = decoded.tokens[0];
         }
         Ok(Outcome {
             ids: out,
@@ -108,6 +119,14 @@ impl BackendVisitor for Generate<'_> {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
+    anyhow::ensure!(
+        args.temperature >= 0.0 && args.top_p > 0.0 && args.top_p <= 1.0,
+        "--temperature must be at least 0 and --top-p in (0, 1]"
+    );
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&args.min_p),
+        "--min-p must be in [0, 1]"
+    );
     let kind = args.device.backend()?;
     let embedded::Opened { ckpt, codec, .. } = embedded::open(args.model.as_deref())?;
     let prompt = codec.encode(&args.prompt).map_err(anyhow::Error::msg)?;

@@ -201,7 +201,7 @@ async fn requests_the_server_cannot_honour_are_refused_naming_the_field() {
             "thinking",
         ),
         (
-            json!({"max_tokens": 4, "messages": user, "top_k": 5}),
+            json!({"max_tokens": 4, "messages": user, "top_k": -2}),
             "top_k",
         ),
         (

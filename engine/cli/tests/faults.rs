@@ -414,7 +414,8 @@ async fn every_refusal_is_an_openai_error_naming_its_field() {
             chat(json!({"frequency_penalty": 0.5})),
             "frequency_penalty",
         ),
-        ("/v1/chat/completions", chat(json!({"top_k": 40})), "top_k"),
+        ("/v1/chat/completions", chat(json!({"top_k": -3})), "top_k"),
+        ("/v1/chat/completions", chat(json!({"min_p": 1.5})), "min_p"),
         (
             "/v1/chat/completions",
             chat(json!({"tool_choice": "required"})),
@@ -460,8 +461,13 @@ async fn every_refusal_is_an_openai_error_naming_its_field() {
         ),
         (
             "/generate",
-            json!({"input_ids": [5], "sampling_params": {"top_k": 5}}),
+            json!({"input_ids": [5], "sampling_params": {"top_k": -7}}),
             "sampling_params.top_k",
+        ),
+        (
+            "/generate",
+            json!({"input_ids": [5], "sampling_params": {"min_p": -0.1}}),
+            "sampling_params.min_p",
         ),
     ];
     for (path, body, param) in cases {

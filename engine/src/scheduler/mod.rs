@@ -32,6 +32,7 @@ use crate::speculative::{
     draft_len, simulated_accepts, Draft, DraftPolicy, Drafter, SpecConfig, ROOT,
 };
 use kiln_core::rng::Rng;
+use kiln_core::sampling::SamplingRow;
 
 /// Fewest pages one eviction frees when the free list runs short.
 const EVICT_BATCH: usize = 16;
@@ -96,8 +97,9 @@ struct Slice {
 pub enum Scores<'a> {
     /// The rows of logits, `vocab` wide.
     Logits(&'a [f32], usize),
-    /// Each row's argmax (a [`Batch::argmax_only`] step: greedy requests only).
-    Argmax(&'a [u32]),
+    /// Each row's token as drawn on the device ([`Batch::sampling`]): the argmax of a
+    /// greedy request's rows, the draw of a sampled request's one row.
+    Tokens(&'a [u32]),
 }
 
 impl<'a> Scores<'a> {
@@ -107,7 +109,7 @@ impl<'a> Scores<'a> {
             Scores::Logits(l, vocab) => {
                 Scores::Logits(&l[first * vocab..(first + n) * vocab], vocab)
             }
-            Scores::Argmax(ids) => Scores::Argmax(&ids[first..first + n]),
+            Scores::Tokens(ids) => Scores::Tokens(&ids[first..first + n]),
         }
     }
 
@@ -116,40 +118,27 @@ impl<'a> Scores<'a> {
         self.rows(i, 1)
     }
 
-    /// The next token from this one row.
-    fn sample(self, temperature: f32, top_p: f32, rng: &mut Rng) -> u32 {
+    /// The next token from this one row, drawn as `row` says (the device drew it so).
+    fn sample(self, row: &SamplingRow) -> u32 {
         match self {
-            Scores::Logits(row, _) => sample(row, temperature, top_p, rng),
-            Scores::Argmax(ids) => greedy_only(temperature, ids[0]),
+            Scores::Logits(logits, _) => sample(logits, row),
+            Scores::Tokens(ids) => ids[0],
         }
     }
 
     /// [`verify`] of a node's children against this one row.
-    fn verify(
-        self,
-        children: &[u32],
-        temperature: f32,
-        top_p: f32,
-        rng: &mut Rng,
-    ) -> Result<usize, u32> {
+    fn verify(self, children: &[u32], row: &SamplingRow, rng: &mut Rng) -> Result<usize, u32> {
         match self {
-            Scores::Logits(row, _) => verify(row, children, temperature, top_p, rng),
-            Scores::Argmax(ids) => {
-                let best = greedy_only(temperature, ids[0]);
-                children.iter().position(|&c| c == best).ok_or(best)
+            Scores::Logits(logits, _) => verify(logits, children, row, rng),
+            Scores::Tokens(ids) => {
+                assert!(
+                    !row.is_sampled(),
+                    "a sampled request's draft verified without its logits"
+                );
+                children.iter().position(|&c| c == ids[0]).ok_or(ids[0])
             }
         }
     }
-}
-
-/// An argmax stands for a row only at temperature 0 (what [`Batch::argmax_only`] steps
-/// hold).
-fn greedy_only(temperature: f32, argmax: u32) -> u32 {
-    assert!(
-        temperature <= 0.0,
-        "an argmax-only step for a sampled request"
-    );
-    argmax
 }
 
 /// Waiting and running requests, the page pool and the prefix cache.
@@ -332,13 +321,20 @@ impl Scheduler {
         self.publish();
         drafts.resize(self.running.len(), Draft::default());
         let (mut requests, mut slices) = (Vec::new(), Vec::new());
-        // Greedy requests only: their argmax ids come back, not rows of logits.
-        let mut greedy = true;
+        // How each logits row is drawn on the device; only a sampled request's draft needs
+        // its rows of logits back (verification weighs the whole distribution).
+        let mut sampling = Some(Vec::new());
         for ((r, &n), draft) in self.running.iter().zip(&plan).zip(drafts) {
             if n == 0 {
                 continue;
             }
-            greedy &= r.params.temperature <= 0.0;
+            let row = r.sampling_row(r.tokens.len());
+            if row.is_sampled() && !draft.is_empty() {
+                sampling = None;
+            }
+            if let Some(rows) = sampling.as_mut() {
+                rows.extend(std::iter::repeat_n(row, 1 + draft.len()));
+            }
             let kv_len = r.computed + n;
             let own = n - draft.len();
             let mut tokens = r.tokens[r.computed..r.computed + own].to_vec();
@@ -361,7 +357,7 @@ impl Scheduler {
             return None;
         }
         let mut batch = Batch::last_logits(requests);
-        batch.argmax_only = greedy;
+        batch.sampling = sampling;
         if slices.iter().any(|s| !s.draft.is_empty()) {
             batch.logits = LogitRows::Tails(slices.iter().map(|s| 1 + s.draft.len()).collect());
         }
@@ -559,7 +555,7 @@ impl Scheduler {
         let rows: usize = step.slices.iter().map(|s| 1 + s.draft.len()).sum();
         match scores {
             Scores::Logits(logits, vocab) => assert_eq!(logits.len(), rows * vocab),
-            Scores::Argmax(ids) => assert_eq!(ids.len(), rows),
+            Scores::Tokens(ids) => assert_eq!(ids.len(), rows),
         }
         self.metrics.steps.add(1);
         let now = Instant::now();
@@ -584,7 +580,6 @@ impl Scheduler {
             // The draft's accepted path from the root, then the model's own token where
             // it ends; in simulated-acceptance mode the path (first children) is drawn,
             // not checked.
-            let (temperature, top_p) = (r.params.temperature, r.params.top_p);
             let draft = &slice.draft;
             let simulated = self.cfg.speculative.and_then(|s| s.simulated_accept_len);
             let kept = simulated.map(|l| simulated_accepts(l, draft.max_depth(), r.rng.uniform()));
@@ -594,11 +589,12 @@ impl Scheduler {
                 let row = rows.row((node + 1) as usize);
                 let children: Vec<usize> = draft.children(node).collect();
                 let tokens: Vec<u32> = children.iter().map(|&c| draft.tokens[c]).collect();
+                let params = r.sampling_row(r.tokens.len() + emitted.len());
                 let chosen = match kept {
                     Some(k) if path.len() < k && !children.is_empty() => Ok(0),
-                    Some(_) => Err(row.sample(temperature, top_p, &mut r.rng)),
-                    None if children.is_empty() => Err(row.sample(temperature, top_p, &mut r.rng)),
-                    None => row.verify(&tokens, temperature, top_p, &mut r.rng),
+                    Some(_) => Err(row.sample(&params)),
+                    None if children.is_empty() => Err(row.sample(&params)),
+                    None => row.verify(&tokens, &params, &mut r.rng),
                 };
                 match chosen {
                     Ok(k) => {

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kiln_core::rng::Rng;
+use kiln_core::sampling::SamplingRow;
 use tokio::sync::mpsc::Sender;
 
 use crate::speculative::policy::Acceptance;
@@ -16,8 +17,12 @@ pub struct SamplingParams {
     pub max_tokens: usize,
     /// 0 is greedy.
     pub temperature: f32,
-    /// Nucleus sampling: the smallest set of tokens whose probability reaches `top_p`.
+    /// Filters on the distribution (`kiln_core::sampling`): nucleus (the tokens whose
+    /// larger-logit tokens hold less than `top_p`), the `top_k` largest (0: all), and those of
+    /// at least `min_p` times the largest probability (0: all).
     pub top_p: f32,
+    pub top_k: u32,
+    pub min_p: f32,
     /// Seed of this request's sampler (the same seed gives the same tokens).
     pub seed: u64,
     /// Token ids that end the generation (besides the model's end-of-sequence ids).
@@ -32,6 +37,8 @@ impl Default for SamplingParams {
             max_tokens: 256,
             temperature: 0.0,
             top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
             seed: 0,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
@@ -166,6 +173,19 @@ impl Request {
     /// Sends `event`; the caller made sure there is room (a full channel drops it).
     pub fn send(&self, event: Event) {
         let _ = self.events.try_send(event);
+    }
+
+    /// How the token at `position` is drawn.
+    pub fn sampling_row(&self, position: usize) -> SamplingRow {
+        let p = &self.params;
+        SamplingRow {
+            temperature: p.temperature,
+            top_p: p.top_p,
+            top_k: p.top_k,
+            min_p: p.min_p,
+            seed: p.seed,
+            position: position as u32,
+        }
     }
 
     /// Tokens generated so far.

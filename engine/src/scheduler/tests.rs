@@ -155,8 +155,9 @@ struct Run {
     metrics: Arc<Metrics>,
     /// Each decode step's time as the engine would measure it (none: not observed).
     cost: Option<StepCost>,
-    /// Steps that asked for argmax ids instead of logits.
-    argmax_steps: usize,
+    /// Steps that drew their tokens on the device, and steps that read logits back.
+    device_steps: usize,
+    logit_steps: usize,
 }
 
 impl Run {
@@ -174,7 +175,8 @@ impl Run {
             kv,
             metrics,
             cost: None,
-            argmax_steps: 0,
+            device_steps: 0,
+            logit_steps: 0,
         }
     }
 
@@ -224,12 +226,24 @@ impl Run {
         self.kv.copy(&step.copies);
         let logits = self.kv.step(&step.batch);
         let shape = step.decode_shape();
-        // A greedy step gets each row's argmax, as the device model computes it.
-        let ids = kiln_reference::argmax::argmax_rows(&logits, VOCAB);
-        self.argmax_steps += usize::from(step.batch.argmax_only);
-        let scores = match step.batch.argmax_only {
-            true => Scores::Argmax(&ids),
-            false => Scores::Logits(&logits, VOCAB),
+        // A step that samples on the device gets each row's token as the oracle draws it.
+        let ids: Vec<u32> = match &step.batch.sampling {
+            Some(rows) => logits
+                .chunks(VOCAB)
+                .zip(rows)
+                .map(|(l, r)| kiln_reference::sampling::draw(l, r).token)
+                .collect(),
+            None => Vec::new(),
+        };
+        let scores = match step.batch.sampling {
+            Some(_) => {
+                self.device_steps += 1;
+                Scores::Tokens(&ids)
+            }
+            None => {
+                self.logit_steps += 1;
+                Scores::Logits(&logits, VOCAB)
+            }
         };
         self.sched.complete(step, scores);
         if let (Some(shape), Some(cost)) = (shape, self.cost) {
@@ -268,6 +282,40 @@ fn alone(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     let mut rx = run.submit(0, prompt.to_vec(), max_tokens);
     run.run_to_end();
     outcome(&mut rx).0
+}
+
+/// A sampled request's tokens are drawn keyed by its seed and their positions, so it
+/// draws the same tokens alone and in a batch of others, on the device (no drafts) or from
+/// logits (its own draft verified); another seed draws others.
+#[test]
+fn sampled_tokens_depend_on_seed_and_position_not_the_batch() {
+    let params = |seed| SamplingParams {
+        max_tokens: 24,
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 30,
+        min_p: 0.01,
+        seed,
+        ..SamplingParams::default()
+    };
+    let prompt = periodic_prompt(3);
+    let run_with = |cfg: SchedulerConfig, others: u64, seed: u64| {
+        let mut run = Run::new(cfg, 1024);
+        run.kv.model = soft;
+        let mut rx = run.submit_params(0, prompt.clone(), params(seed), ROOM);
+        let _rest: Vec<_> = (1..=others)
+            .map(|i| run.submit_params(i, periodic_prompt(i as u32), params(100 + i), ROOM))
+            .collect();
+        run.run_to_end();
+        (outcome(&mut rx).0, run.device_steps, run.logit_steps)
+    };
+    let (alone, device, logits) = run_with(config(4, 512, 16), 0, 5);
+    assert!(device > 0 && logits == 0, "sampled without drafts on the device");
+    assert_eq!(run_with(config(4, 512, 16), 6, 5).0, alone);
+    let (drafted, _, logits) = run_with(speculative(config(4, 512, 16), 3), 6, 5);
+    assert!(logits > 0, "sampled drafts verified from logits");
+    assert_eq!(drafted.len(), alone.len());
+    assert_ne!(run_with(config(4, 512, 16), 0, 6).0, alone);
 }
 
 #[test]
@@ -809,7 +857,7 @@ fn a_tree_whose_accepted_path_is_out_of_place_gives_the_same_tokens() {
     let spec: Vec<Vec<u32>> = rxs.iter_mut().map(|rx| outcome(rx).0).collect();
     assert_eq!(plain, spec, "a tree changed greedy tokens");
     assert!(run.kv.trees > 0, "trees reached the model");
-    assert!(run.argmax_steps > 0, "greedy steps read argmax ids back");
+    assert!(run.device_steps > 0, "greedy steps read token ids back");
     // Two drafted tokens and the model's own a step.
     let m = &run.metrics;
     assert!(
@@ -940,5 +988,5 @@ fn sampled_speculation_is_lossless(tree: bool) {
         "tree {tree}: {counts:?} vs {want:?}: {fit:?}"
     );
     assert_eq!(run.kv.trees > 0, tree);
-    assert_eq!(run.argmax_steps, 0, "sampled steps read logits back");
+    assert!(run.logit_steps > 0, "sampled drafts read logits back");
 }

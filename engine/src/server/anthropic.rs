@@ -28,6 +28,8 @@ const NAMES: SamplingNames = SamplingNames {
     max_tokens: "max_tokens",
     temperature: "temperature",
     top_p: "top_p",
+    top_k: "top_k",
+    min_p: "min_p",
     n: "n",
 };
 
@@ -98,6 +100,9 @@ pub struct MessagesRequest {
     stream: bool,
     temperature: Option<f32>,
     top_p: Option<f32>,
+    top_k: Option<i64>,
+    /// Not Anthropic's; vLLM's and SGLang's filter, accepted here too.
+    min_p: Option<f32>,
     stop_sequences: Option<Vec<String>>,
     /// Every other field: refused unless harmless (`metadata`, thinking disabled, a
     /// penalty or filter left off).
@@ -285,6 +290,8 @@ pub async fn messages(
         max_tokens: Some(max_tokens),
         temperature: req.temperature,
         top_p: req.top_p,
+        top_k: req.top_k,
+        min_p: req.min_p,
         seed: None,
         n: None,
         stop: req.stop_sequences.take().map(Stop::Many),

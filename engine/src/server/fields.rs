@@ -37,8 +37,6 @@ pub(super) const PENALTIES: &[Neutral] = &[
     ("frequency_penalty", zero),
     ("presence_penalty", zero),
     ("repetition_penalty", one),
-    ("top_k", |v| v.as_i64().is_some_and(|k| k == 0 || k == -1)),
-    ("min_p", zero),
 ];
 
 /// OpenAI's and vLLM's request fields, off.
@@ -107,7 +105,7 @@ mod tests {
     fn fields_left_off_pass_and_the_rest_are_named() {
         assert_eq!(
             check(
-                json!({"user": "u", "frequency_penalty": 0, "top_k": -1, "logit_bias": {},
+                json!({"user": "u", "frequency_penalty": 0, "logit_bias": {},
                          "response_format": {"type": "text"}, "presence_penalty": null})
             ),
             Ok(())
@@ -116,14 +114,20 @@ mod tests {
             check(json!({"frequency_penalty": 0.5})),
             Err("frequency_penalty".into())
         );
-        assert_eq!(check(json!({"top_k": 40})), Err("top_k".into()));
+        assert_eq!(
+            check(json!({"repetition_penalty": 1.1})),
+            Err("repetition_penalty".into())
+        );
         assert_eq!(
             check(json!({"response_format": {"type": "json_object"}})),
             Err("response_format".into())
         );
         assert_eq!(check(json!({"temprature": 0.2})), Err("temprature".into()));
-        let rest = json!({"top_k": 5}).as_object().unwrap().clone();
+        let rest = json!({"presence_penalty": 0.3})
+            .as_object()
+            .unwrap()
+            .clone();
         let e = refuse_unsupported(&rest, "sampling_params.", SGLANG_SAMPLING).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("sampling_params.top_k"));
+        assert_eq!(e.param.as_deref(), Some("sampling_params.presence_penalty"));
     }
 }

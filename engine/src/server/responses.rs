@@ -26,6 +26,8 @@ const NAMES: SamplingNames = SamplingNames {
     max_tokens: "max_output_tokens",
     temperature: "temperature",
     top_p: "top_p",
+    top_k: "top_k",
+    min_p: "min_p",
     n: "n",
 };
 
@@ -75,6 +77,9 @@ pub struct ResponsesRequest {
     max_output_tokens: Option<i64>,
     temperature: Option<f32>,
     top_p: Option<f32>,
+    /// Not OpenAI's; vLLM's and SGLang's filters, accepted here too.
+    top_k: Option<i64>,
+    min_p: Option<f32>,
     #[serde(default)]
     stream: bool,
     /// Every other field: refused unless harmless (`store`, `parallel_tool_calls`,
@@ -292,6 +297,8 @@ pub async fn responses(
         max_tokens: req.max_output_tokens,
         temperature: req.temperature,
         top_p: req.top_p,
+        top_k: req.top_k,
+        min_p: req.min_p,
         seed: None,
         n: None,
         stop: None,

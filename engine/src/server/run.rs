@@ -38,6 +38,8 @@ pub struct SamplingNames {
     pub max_tokens: &'static str,
     pub temperature: &'static str,
     pub top_p: &'static str,
+    pub top_k: &'static str,
+    pub min_p: &'static str,
     pub n: &'static str,
 }
 
@@ -46,6 +48,8 @@ pub const OPENAI_NAMES: SamplingNames = SamplingNames {
     max_tokens: "max_tokens",
     temperature: "temperature",
     top_p: "top_p",
+    top_k: "top_k",
+    min_p: "min_p",
     n: "n",
 };
 
@@ -54,6 +58,8 @@ pub const SGLANG_NAMES: SamplingNames = SamplingNames {
     max_tokens: "sampling_params.max_new_tokens",
     temperature: "sampling_params.temperature",
     top_p: "sampling_params.top_p",
+    top_k: "sampling_params.top_k",
+    min_p: "sampling_params.min_p",
     n: "sampling_params.n",
 };
 
@@ -64,6 +70,9 @@ pub struct RawSampling {
     pub max_tokens: Option<i64>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
+    /// 0 or -1: every token.
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
     pub seed: Option<u64>,
     pub n: Option<i64>,
     pub stop: Option<Stop>,
@@ -122,6 +131,26 @@ pub fn prepare(
             Some(names.top_p),
         ));
     }
+    let top_k = match raw.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
+        k => {
+            return Err(ApiError::invalid(
+                format!(
+                    "{} must be -1, 0 (every token) or positive, got {k}",
+                    names.top_k
+                ),
+                Some(names.top_k),
+            ))
+        }
+    };
+    let min_p = raw.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::invalid(
+            format!("{} must be in [0, 1], got {min_p}", names.min_p),
+            Some(names.min_p),
+        ));
+    }
     info.check(&prompt, max_tokens)
         .map_err(|m| ApiError::invalid(m, Some(prompt_field)))?;
     let id = state.engine.next_id();
@@ -132,6 +161,8 @@ pub fn prepare(
             max_tokens,
             temperature,
             top_p,
+            top_k,
+            min_p,
             seed: raw.seed.unwrap_or(id),
             stop_token_ids: raw.stop_token_ids.unwrap_or_default(),
             ignore_eos: raw.ignore_eos.unwrap_or(false),

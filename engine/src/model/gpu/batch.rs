@@ -1,6 +1,7 @@
 //! What one forward step computes: for each request, its new tokens at the end of its
 //! context, and where that context lives in the paged KV pool.
 use cubecl::prelude::*;
+use kiln_core::sampling::SamplingRow;
 use kiln_kernels::mla::{tree_mask_words, AttnMetadata, PagedKvCache, MAX_TREE_NODES};
 use kiln_kernels::DeviceArray;
 
@@ -57,20 +58,20 @@ pub struct Batch {
     /// Layers whose output hidden states (the residual stream after the layer, all tokens)
     /// the step also returns: what speculative drafters condition on.
     pub capture: Vec<usize>,
-    /// Return each logits row's argmax ([`StepOutput::argmax`]) instead of the row: what
-    /// a step of greedy requests needs, a token id a row read back instead of `vocab`
-    /// floats.
-    pub argmax_only: bool,
+    /// Draw each logits row's token on the device, as its [`SamplingRow`] says (one per
+    /// row), and return the tokens ([`StepOutput::tokens`]) instead of the rows: a token id
+    /// a row read back instead of `vocab` floats.
+    pub sampling: Option<Vec<SamplingRow>>,
 }
 
 /// What a step returns.
 #[derive(Clone, Debug)]
 pub struct StepOutput {
     /// `[rows, vocab]` in request order: a row per token, or per request with
-    /// [`LogitRows::Last`]; empty with [`Batch::argmax_only`].
+    /// [`LogitRows::Last`]; empty with [`Batch::sampling`].
     pub logits: Vec<f32>,
-    /// With [`Batch::argmax_only`], each row's argmax (ties to the lowest id).
-    pub argmax: Vec<u32>,
+    /// With [`Batch::sampling`], each row's token.
+    pub tokens: Vec<u32>,
     /// `(layer, [tokens, hidden])` for each layer in [`Batch::capture`], in that order.
     pub hidden: Vec<(usize, Vec<f32>)>,
     /// Kernel launches the step issued.
@@ -98,7 +99,7 @@ impl Batch {
             requests,
             logits: LogitRows::All,
             capture: Vec::new(),
-            argmax_only: false,
+            sampling: None,
         }
     }
 

@@ -2,7 +2,6 @@
 //! residual + RMSNorm (fused), dense MLP or MoE (router, dispatch, grouped experts, shared
 //! expert, combine); final norm and lm_head. Every step is one of kiln's kernels.
 use cubecl::prelude::*;
-use kiln_kernels::argmax::argmax_rows;
 use kiln_kernels::embedding::embedding;
 use kiln_kernels::gemm::gated_gemm;
 use kiln_kernels::mla::{
@@ -11,6 +10,7 @@ use kiln_kernels::mla::{
 use kiln_kernels::moe::{combine, dispatch, gather_rows, route, Dispatch, Routing};
 use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm};
 use kiln_kernels::rope::Rotation;
+use kiln_kernels::sample::sample_rows;
 use std::sync::atomic::Ordering;
 
 use kiln_kernels::{DeviceArray, KernelError};
@@ -20,7 +20,7 @@ use super::{Attention, Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, QProj
 
 impl<R: Runtime> GpuModel<R> {
     /// Runs one step: appends the batch's tokens to the pool and returns their logits,
-    /// `[tokens, vocab]` in request order (empty for a [`Batch::argmax_only`] step).
+    /// `[tokens, vocab]` in request order (empty for a step that samples on the device, [`Batch::sampling`]).
     pub fn forward(&self, batch: &Batch, pool: &KvPool) -> Result<Vec<f32>, ModelError> {
         Ok(self.step(batch, pool)?.logits)
     }
@@ -113,22 +113,30 @@ impl<R: Runtime> GpuModel<R> {
             .collect();
         // Kernels run asynchronously: everything up to here was host work issuing them
         // (plus the reads of captured hidden states, which wait for the device).
-        let ids = match batch.argmax_only {
-            false => None,
-            true => {
+        let ids = match &batch.sampling {
+            None => None,
+            Some(sampling) if sampling.len() != rows => {
+                return Err(ModelError::Batch(format!(
+                    "{} sampling rows for {rows} rows of logits",
+                    sampling.len()
+                )));
+            }
+            Some(sampling) => {
+                let words: Vec<u32> = sampling.iter().flat_map(|r| r.words()).collect();
+                let params = DeviceArray::upload(cl, &words);
                 let ids = DeviceArray::<u32>::uninit(cl, rows);
-                self.launched(argmax_rows(cl, &logits, rows, c.vocab_size, &ids))?;
+                self.launched(sample_rows(cl, &logits, rows, c.vocab_size, &params, &ids))?;
                 Some(ids)
             }
         };
         let issue_seconds = issue_start.elapsed().as_secs_f64();
-        let (logits, argmax) = match ids {
+        let (logits, tokens) = match ids {
             None => (logits.read(cl), Vec::new()),
             Some(ids) => (Vec::new(), ids.read(cl)),
         };
         Ok(StepOutput {
             logits,
-            argmax,
+            tokens,
             hidden,
             launches: self.launches.load(Ordering::Relaxed) - launches_before,
             issue_seconds,

@@ -78,11 +78,11 @@ impl<R: Runtime> ShardedModel<R> {
                 "capturing hidden states under tensor parallelism".into(),
             ));
         }
-        if batch.argmax_only {
-            // Each rank holds a slice of the vocabulary: the argmax would need their
-            // maxima reduced across ranks.
+        if batch.sampling.is_some() {
+            // Each rank holds a slice of the vocabulary: a draw would need the ranks'
+            // maxima, sums and race winners reduced across them.
             return Err(TpError::Unsupported(
-                "argmax-only steps under tensor parallelism".into(),
+                "sampling on the device under tensor parallelism".into(),
             ));
         }
         let layers = self.config.num_hidden_layers;
