@@ -27,6 +27,8 @@ bench() {
   .gpu/mla_decode "$out/mla_decode.json" 2>&1 | tee "$out/mla_decode.log"
   python3 benches/gpu/mla_peer.py "$out/mla_peer.json" "$out/mla_decode.json" 2>&1 | tee "$out/mla_peer.log"
   .gpu/tree_verify "$out/tree_verify.json" 2>&1 | tee "$out/tree_verify.log"
+  .gpu/sample "$out/sample.json" 2>&1 | tee "$out/sample.log"
+  python3 benches/gpu/sample_peer.py "$out/sample_peer.json" "$out/sample.json" 2>&1 | tee "$out/sample_peer.log"
   .gpu/layer_decode --backend cuda --json "$out/layer_decode.json" 2>&1 | tee "$out/layer_decode.log"
 }
 case "${1:-}" in
@@ -38,7 +40,7 @@ case "${1:-}" in
     cp "$(test_exe kiln hf_conformance)" .gpu/hf_conformance
     cp target/cuda/release/kiln target/cuda/release/layer_decode target/cuda/release/gemm_peer \
       target/cuda/release/gemm_decode target/cuda/release/moe_grouped \
-      target/cuda/release/mla_decode target/cuda/release/tree_verify .gpu/
+      target/cuda/release/mla_decode target/cuda/release/tree_verify target/cuda/release/sample .gpu/
     strip .gpu/*
     ls -la .gpu
     ;;

@@ -7,6 +7,9 @@
 //!   DATA.md lists the training data and its licences);
 //! - `kiln-tiny-random`: random weights, loaded in milliseconds, for tests of the engine
 //!   (its outputs mean nothing).
+//!
+//! kiln-coder's 43 MB come with the `coder` feature (on by default); builds without it
+//! (the GPU machine's, whose copies are size-limited) take `--model DIR` instead.
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -17,6 +20,7 @@ use kiln::model::Checkpoint;
 /// The model served when `--model` is not given.
 pub const DEFAULT: &str = CODER;
 const CODER: &str = "kiln-coder";
+#[cfg(feature = "coder")]
 const CODER_FILES: [(&str, &[u8]); 3] = [
     (
         "config.json",
@@ -76,10 +80,19 @@ pub fn open(model: Option<&Path>) -> anyhow::Result<Opened> {
     })
 }
 
-fn write_coder() -> std::io::Result<PathBuf> {
+#[cfg(feature = "coder")]
+fn write_coder() -> anyhow::Result<PathBuf> {
     let dir = default_model::fresh_dir(CODER)?;
     for (file, bytes) in CODER_FILES {
         std::fs::write(dir.join(file), bytes)?;
     }
     Ok(dir)
+}
+
+#[cfg(not(feature = "coder"))]
+fn write_coder() -> anyhow::Result<PathBuf> {
+    anyhow::bail!(
+        "this kiln was built without the `coder` feature: pass --model with the directory \
+         engine/assets/kiln-coder (or another model)"
+    )
 }

@@ -310,7 +310,10 @@ fn sampled_tokens_depend_on_seed_and_position_not_the_batch() {
         (outcome(&mut rx).0, run.device_steps, run.logit_steps)
     };
     let (alone, device, logits) = run_with(config(4, 512, 16), 0, 5);
-    assert!(device > 0 && logits == 0, "sampled without drafts on the device");
+    assert!(
+        device > 0 && logits == 0,
+        "sampled without drafts on the device"
+    );
     assert_eq!(run_with(config(4, 512, 16), 6, 5).0, alone);
     let (drafted, _, logits) = run_with(speculative(config(4, 512, 16), 3), 6, 5);
     assert!(logits > 0, "sampled drafts verified from logits");
