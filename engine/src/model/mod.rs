@@ -4,6 +4,7 @@
 pub mod config;
 pub mod default_model;
 pub mod gpu;
+pub mod tiktoken;
 pub mod tokenizer;
 pub mod tp;
 pub mod weights;

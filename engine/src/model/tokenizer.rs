@@ -1,5 +1,5 @@
-//! Text in and out: the directory's `tokenizer.json` (HF `tokenizers` format, e.g. Kimi's
-//! byte-level BPE) and, when `tokenizer_config.json` has one, its chat template (kept as
+//! Text in and out: the directory's `tokenizer.json` (HF `tokenizers` format) or its
+//! `tiktoken.model` (Kimi's BPE ranks as its repos ship them) and, when `tokenizer_config.json` has one, its chat template (kept as
 //! text for the server's chat endpoint). Token ids are the engine's currency: text is only
 //! converted at the edges, since text -> ids -> text -> ids is not the identity.
 use std::path::{Path, PathBuf};
@@ -24,29 +24,42 @@ fn tok_error(path: &Path, e: impl std::fmt::Display) -> LoadError {
 }
 
 impl TextCodec {
-    /// Loads `dir/tokenizer.json` (and the chat template of `dir/tokenizer_config.json`).
+    /// Loads `dir/tokenizer.json`, or else `dir/tiktoken.model` (Kimi's BPE ranks with its
+    /// split pattern and special tokens, [`super::tiktoken`]), and the chat template of
+    /// `dir/tokenizer_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, LoadError> {
+        let config_path: PathBuf = dir.join("tokenizer_config.json");
+        let config = match std::fs::read_to_string(&config_path) {
+            Ok(text) => Some(
+                serde_json::from_str::<serde_json::Value>(&text)
+                    .map_err(|e| tok_error(&config_path, e))?,
+            ),
+            Err(_) => None,
+        };
         let path = dir.join("tokenizer.json");
-        if !path.exists() {
+        let tiktoken = dir.join(super::tiktoken::FILE);
+        let tokenizer = if path.exists() {
+            let json = std::fs::read_to_string(&path).map_err(|source| LoadError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            Self::parse(&json).map_err(|e| tok_error(&path, e))?
+        } else if tiktoken.exists() {
+            super::tiktoken::load(dir, config.as_ref()).map_err(|e| tok_error(&tiktoken, e))?
+        } else {
             return Err(LoadError::Io {
                 path,
-                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no tokenizer.json"),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no tokenizer.json or tiktoken.model",
+                ),
             });
-        }
-        let json = std::fs::read_to_string(&path).map_err(|source| LoadError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let tokenizer = Self::parse(&json).map_err(|e| tok_error(&path, e))?;
-        let config: PathBuf = dir.join("tokenizer_config.json");
-        let chat_template = std::fs::read_to_string(&config)
-            .ok()
-            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
-            .and_then(|v| {
-                v.get("chat_template")
-                    .and_then(|t| t.as_str())
-                    .map(str::to_string)
-            });
+        };
+        let chat_template = config
+            .as_ref()
+            .and_then(|v| v.get("chat_template"))
+            .and_then(|t| t.as_str())
+            .map(str::to_string);
         Ok(Self::from_tokenizer(tokenizer, chat_template))
     }
 
