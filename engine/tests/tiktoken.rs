@@ -55,6 +55,12 @@ fn a_kimi_tiktoken_directory_encodes_as_tiktoken_does() {
 fn a_corrupt_tiktoken_file_is_named() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("tiktoken.model"), "IQ== 0\nnot-base64! 1\n").unwrap();
-    let err = TextCodec::from_dir(dir.path()).err().expect("refused").to_string();
-    assert!(err.contains("tiktoken.model") && err.contains("line 2"), "{err}");
+    let err = TextCodec::from_dir(dir.path())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("tiktoken.model") && err.contains("line 2"),
+        "{err}"
+    );
 }

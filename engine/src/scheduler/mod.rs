@@ -13,6 +13,7 @@
 //! slice may end in a draft tree ([`Draft`]); `computed` then advances only by the accepted
 //! tokens whose cache rows are in place (the path `0, 1, 2, ..` of the tree) and the rest,
 //! accepted or not, are rewritten by the next step.
+mod complete;
 pub mod policy;
 mod request;
 
@@ -20,19 +21,17 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use complete::Scores;
 use request::Request;
 pub use request::{Event, FinishReason, SamplingParams, Submission, Usage, EVENT_BUFFER};
 
 use crate::cache::{KvCopy, PagePool, PrefixCache};
 use crate::metrics::{Metrics, PolicyDecision};
 use crate::model::gpu::{Batch, LogitRows, RequestSlice};
-use crate::sampling::{sample, verify};
 use crate::speculative::policy::{draft_budgets, Acceptance, StepCosts};
 use crate::speculative::{
     draft_len, simulated_accepts, Draft, DraftPolicy, Drafter, SpecConfig, ROOT,
 };
-use kiln_core::rng::Rng;
-use kiln_core::sampling::SamplingRow;
 
 /// Fewest pages one eviction frees when the free list runs short.
 const EVICT_BATCH: usize = 16;
@@ -90,55 +89,6 @@ struct Slice {
     /// Drafted tokens run after them, to verify (each gets a logits row, as does the last
     /// of the request's own, the tree's root).
     draft: Draft,
-}
-
-/// What a step returns for each row that gets logits.
-#[derive(Clone, Copy, Debug)]
-pub enum Scores<'a> {
-    /// The rows of logits, `vocab` wide.
-    Logits(&'a [f32], usize),
-    /// Each row's token as drawn on the device ([`Batch::sampling`]): the argmax of a
-    /// greedy request's rows, the draw of a sampled request's one row.
-    Tokens(&'a [u32]),
-}
-
-impl<'a> Scores<'a> {
-    /// Rows `first..first + n`.
-    fn rows(self, first: usize, n: usize) -> Scores<'a> {
-        match self {
-            Scores::Logits(l, vocab) => {
-                Scores::Logits(&l[first * vocab..(first + n) * vocab], vocab)
-            }
-            Scores::Tokens(ids) => Scores::Tokens(&ids[first..first + n]),
-        }
-    }
-
-    /// Row `i`.
-    fn row(self, i: usize) -> Scores<'a> {
-        self.rows(i, 1)
-    }
-
-    /// The next token from this one row, drawn as `row` says (the device drew it so).
-    fn sample(self, row: &SamplingRow) -> u32 {
-        match self {
-            Scores::Logits(logits, _) => sample(logits, row),
-            Scores::Tokens(ids) => ids[0],
-        }
-    }
-
-    /// [`verify`] of a node's children against this one row.
-    fn verify(self, children: &[u32], row: &SamplingRow, rng: &mut Rng) -> Result<usize, u32> {
-        match self {
-            Scores::Logits(logits, _) => verify(logits, children, row, rng),
-            Scores::Tokens(ids) => {
-                assert!(
-                    !row.is_sampled(),
-                    "a sampled request's draft verified without its logits"
-                );
-                children.iter().position(|&c| c == ids[0]).ok_or(ids[0])
-            }
-        }
-    }
 }
 
 /// Waiting and running requests, the page pool and the prefix cache.
@@ -545,159 +495,6 @@ impl Scheduler {
         r.pages = device.iter().copied().chain(new).collect();
         self.running.push(r);
         Some(n)
-    }
-
-    /// Takes the scores of `step` (a row per slice, plus one per drafted token):
-    /// advances each request, samples where a request's pending tokens are all computed
-    /// (verifying its draft first: the accepted path, then one token of the model's own),
-    /// sends its events and retires finished requests.
-    pub fn complete(&mut self, step: Step, scores: Scores) {
-        let rows: usize = step.slices.iter().map(|s| 1 + s.draft.len()).sum();
-        match scores {
-            Scores::Logits(logits, vocab) => assert_eq!(logits.len(), rows * vocab),
-            Scores::Tokens(ids) => assert_eq!(ids.len(), rows),
-        }
-        self.metrics.steps.add(1);
-        let now = Instant::now();
-        let mut finished = Vec::new();
-        let mut row = 0;
-        for slice in &step.slices {
-            let rows = scores.rows(row, 1 + slice.draft.len());
-            row += 1 + slice.draft.len();
-            let idx = self.running.iter().position(|r| r.id == slice.id);
-            let r = &mut self.running[idx.expect("a planned request is running")];
-            let n = slice.tokens;
-            let prompt_done = r.computed < r.prompt_len && r.computed + n >= r.prompt_len;
-            r.computed += n;
-            if r.pending() > 0 {
-                continue; // mid-prefill: no token yet
-            }
-            match r.last_token_at {
-                None => self.metrics.ttft.observe(now - r.arrived),
-                Some(t) => self.metrics.itl.observe(now - t),
-            }
-            r.last_token_at = Some(now);
-            // The draft's accepted path from the root, then the model's own token where
-            // it ends; in simulated-acceptance mode the path (first children) is drawn,
-            // not checked.
-            let draft = &slice.draft;
-            let simulated = self.cfg.speculative.and_then(|s| s.simulated_accept_len);
-            let kept = simulated.map(|l| simulated_accepts(l, draft.max_depth(), r.rng.uniform()));
-            let (mut path, mut emitted) = (Vec::new(), Vec::new());
-            let mut node = ROOT;
-            loop {
-                let row = rows.row((node + 1) as usize);
-                let children: Vec<usize> = draft.children(node).collect();
-                let tokens: Vec<u32> = children.iter().map(|&c| draft.tokens[c]).collect();
-                let params = r.sampling_row(r.tokens.len() + emitted.len());
-                let chosen = match kept {
-                    Some(k) if path.len() < k && !children.is_empty() => Ok(0),
-                    Some(_) => Err(row.sample(&params)),
-                    None if children.is_empty() => Err(row.sample(&params)),
-                    None => row.verify(&tokens, &params, &mut r.rng),
-                };
-                match chosen {
-                    Ok(k) => {
-                        path.push(children[k]);
-                        emitted.push(tokens[k]);
-                        node = children[k] as i32;
-                    }
-                    Err(t) => {
-                        emitted.push(t);
-                        break;
-                    }
-                }
-            }
-            let accepted = path.len();
-            // Accepted nodes whose rows were written where their tokens belong.
-            let in_place = path
-                .iter()
-                .enumerate()
-                .take_while(|&(j, &n)| j == n)
-                .count();
-            // Every decode step counts as a verification (SGLang's `spec_verify_ct`, so
-            // completion tokens over it is the accept length), an empty draft too.
-            if self.drafter.is_some() && r.generated() > 0 {
-                r.spec_verify_ct += 1;
-            }
-            if !slice.draft.is_empty() {
-                r.spec_accepted += accepted;
-                self.metrics
-                    .spec_drafted_tokens
-                    .add(slice.draft.len() as u64);
-                self.metrics.spec_accepted_tokens.add(accepted as u64);
-                self.metrics
-                    .spec_accept_length
-                    .observe_value((accepted + 1) as f64);
-                r.acceptance.record(slice.draft.max_depth(), accepted);
-                self.acceptance.record(slice.draft.max_depth(), accepted);
-                if let Some(d) = self.drafter.as_mut() {
-                    d.accepted(slice.id, slice.draft.len(), accepted);
-                }
-            }
-            let mut reason = None;
-            for token in emitted {
-                let stop = (!r.params.ignore_eos && self.cfg.eos_token_ids.contains(&token))
-                    || r.params.stop_token_ids.contains(&token);
-                if stop {
-                    reason = Some(FinishReason::Stop);
-                    break;
-                }
-                r.tokens.push(token);
-                self.metrics.generation_tokens.add(1);
-                r.send(Event::Token(token));
-                if r.generated() >= r.params.max_tokens || r.tokens.len() >= self.cfg.context_len {
-                    reason = Some(FinishReason::Length);
-                    break;
-                }
-            }
-            // KV is in place for the request's own tokens and the accepted path's leading
-            // `0, 1, 2, ..` nodes; the next step rewrites the rest.
-            r.computed = (r.computed + in_place).min(r.tokens.len());
-            match reason {
-                Some(reason) => finished.push((slice.id, reason)),
-                None if prompt_done => {
-                    // Share the prompt with requests that arrive while this one decodes.
-                    let r = &mut self.running[idx.expect("found above")];
-                    cache_computed(&mut *self.cache, &mut self.pool, self.cfg.page_size, r);
-                }
-                None => {}
-            }
-        }
-        // Pages and gauges first, then the news: a client that has its answer sees the
-        // server's metrics without its request.
-        let mut done = Vec::with_capacity(finished.len());
-        for (id, reason) in finished {
-            let idx = self.running.iter().position(|r| r.id == id);
-            let r = self
-                .running
-                .remove(idx.expect("finished requests are running"));
-            let (usage, events) = (r.usage(), r.events.clone());
-            tracing::debug!(id, reason = reason.as_str(), ?usage, "finished");
-            self.retire(r);
-            done.push((events, Event::Finished { reason, usage }));
-        }
-        self.metrics.requests_finished.add(done.len() as u64);
-        self.publish();
-        for (events, finished) in done {
-            // Room: the request ran this step only with a slot kept for its end.
-            let _ = events.try_send(finished);
-        }
-    }
-
-    /// Fails every request of `step` (the device step failed) and frees their pages.
-    pub fn fail(&mut self, step: Step, why: &str) {
-        for Slice { id, .. } in step.slices {
-            if let Some(idx) = self.running.iter().position(|r| r.id == id) {
-                let r = self.running.remove(idx);
-                r.send(Event::Failed(why.to_string()));
-                if let Some(d) = self.drafter.as_mut() {
-                    d.finished(r.id);
-                }
-                self.pool.release(&r.pages);
-            }
-        }
-        self.publish();
     }
 
     /// A request leaves: its computed pages go to the cache, its references are dropped,

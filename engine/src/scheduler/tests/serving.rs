@@ -1,0 +1,275 @@
+//! Scheduling without speculation: batching, paging, prefix reuse, preemption, the host
+//! tier, stalled clients and sampling.
+use super::*;
+
+/// A sampled request's tokens are drawn keyed by its seed and their positions, so it
+/// draws the same tokens alone and in a batch of others, on the device (no drafts) or from
+/// logits (its own draft verified); another seed draws others.
+#[test]
+fn sampled_tokens_depend_on_seed_and_position_not_the_batch() {
+    let params = |seed| SamplingParams {
+        max_tokens: 24,
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 30,
+        min_p: 0.01,
+        seed,
+        ..SamplingParams::default()
+    };
+    let prompt = periodic_prompt(3);
+    let run_with = |cfg: SchedulerConfig, others: u64, seed: u64| {
+        let mut run = Run::new(cfg, 1024);
+        run.kv.model = soft;
+        let mut rx = run.submit_params(0, prompt.clone(), params(seed), ROOM);
+        let _rest: Vec<_> = (1..=others)
+            .map(|i| run.submit_params(i, periodic_prompt(i as u32), params(100 + i), ROOM))
+            .collect();
+        run.run_to_end();
+        (outcome(&mut rx).0, run.device_steps, run.logit_steps)
+    };
+    let (alone, device, logits) = run_with(config(4, 512, 16), 0, 5);
+    assert!(
+        device > 0 && logits == 0,
+        "sampled without drafts on the device"
+    );
+    assert_eq!(run_with(config(4, 512, 16), 6, 5).0, alone);
+    let (drafted, _, logits) = run_with(speculative(config(4, 512, 16), 3), 6, 5);
+    assert!(logits > 0, "sampled drafts verified from logits");
+    assert_eq!(drafted.len(), alone.len());
+    assert_ne!(run_with(config(4, 512, 16), 0, 6).0, alone);
+}
+
+#[test]
+fn decoding_requests_run_every_step_while_a_long_prompt_prefills() {
+    let mut cfg = config(16, 64, 8);
+    cfg.eos_token_ids.clear(); // every short request decodes all 200 tokens
+    let mut run = Run::new(cfg, 1024);
+    let mut short: Vec<_> = (0..3)
+        .map(|i| run.submit(i, vec![1 + i as u32; 5], 200))
+        .collect();
+    run.step();
+    let mut long = run.submit(9, vec![7; 1000], 4);
+    for _ in 0..10 {
+        let lens = run.step().unwrap();
+        assert_eq!(
+            &lens[..3],
+            &[1, 1, 1],
+            "every decode runs, the prefill gets the rest"
+        );
+        assert_eq!(
+            lens[3..].iter().sum::<usize>(),
+            61,
+            "budget 64 minus three decodes"
+        );
+    }
+    run.run_to_end();
+    assert_eq!(outcome(&mut long).0.len(), 4);
+    for rx in &mut short {
+        assert_eq!(outcome(rx).0.len(), 200);
+    }
+}
+
+#[test]
+fn a_repeated_prompt_reuses_every_whole_cached_page() {
+    let mut run = Run::new(config(4, 256, 8), 256);
+    let prompt: Vec<u32> = (1..=30).collect();
+    let mut first = run.submit(0, prompt.clone(), 3);
+    run.run_to_end();
+    let mut second = run.submit(1, prompt.clone(), 3);
+    run.run_to_end();
+    let (a, ua) = outcome(&mut first);
+    let (b, ub) = outcome(&mut second);
+    assert_eq!(a, b);
+    assert_eq!(ua.unwrap().cached_tokens, 0);
+    assert_eq!(ub.unwrap().cached_tokens, 28, "7 whole pages of 30 tokens");
+    assert_eq!(run.metrics.cached_tokens.get(), 28);
+}
+
+#[test]
+fn a_cancelled_request_returns_its_pages() {
+    let mut run = Run::new(config(4, 256, 8), 64);
+    let rx = run.submit(0, vec![3; 40], 100);
+    run.step();
+    run.step();
+    assert!(run.metrics.kv_usage.get() > 0.0);
+    drop(rx);
+    assert!(run.step().is_none());
+    assert_eq!(run.metrics.kv_usage.get(), 0.0);
+    assert_eq!(run.metrics.requests_aborted.get(), 1);
+}
+
+#[test]
+fn a_request_its_client_ended_counts_as_finished_not_aborted() {
+    let mut run = Run::new(config(4, 256, 8), 64);
+    let (tx, rx) = channel(ROOM);
+    let ended = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    run.sched.add(Submission {
+        id: 0,
+        prompt: vec![3; 40],
+        params: SamplingParams {
+            max_tokens: 100,
+            ..SamplingParams::default()
+        },
+        session: None,
+        events: tx,
+        ended_by_client: ended.clone(),
+    });
+    run.step();
+    run.step();
+    // What the server does when the text reaches a stop string.
+    ended.store(true, std::sync::atomic::Ordering::Release);
+    drop(rx);
+    assert!(run.step().is_none());
+    assert_eq!(run.metrics.kv_usage.get(), 0.0);
+    assert_eq!(run.metrics.requests_finished.get(), 1);
+    assert_eq!(run.metrics.requests_aborted.get(), 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn batched_outputs_equal_running_each_request_alone(
+        page_size in 1usize..6,
+        budget in 8usize..80,
+        pages in 40usize..120,
+        host_slots in prop_oneof![Just(0usize), 1usize..64],
+        prompts in prop::collection::vec(
+            (prop::collection::vec(1u32..4, 1..60), 1usize..20), 1..12),
+        shared in prop::collection::vec(1u32..4, 0..40),
+    ) {
+        // Every request must fit the pool alone; sharing a prefix makes cache hits likely.
+        let mut run = Run::tiered(config(page_size, budget, 8), pages, host_slots);
+        let mut rxs = Vec::new();
+        let mut wanted = Vec::new();
+        for (i, (tail, max_tokens)) in prompts.iter().enumerate() {
+            let prompt: Vec<u32> = shared.iter().chain(tail).copied().collect();
+            prop_assume!(policy::fits_pool(prompt.len(), *max_tokens, page_size, pages));
+            wanted.push(alone(&prompt, *max_tokens));
+            rxs.push(run.submit(i as u64, prompt, *max_tokens));
+            if i % 3 == 0 {
+                run.step();
+            }
+        }
+        run.run_to_end();
+        for (rx, want) in rxs.iter_mut().zip(&wanted) {
+            let (got, usage) = outcome(rx);
+            prop_assert_eq!(&got, want);
+            prop_assert!(usage.is_some());
+        }
+        prop_assert_eq!(run.metrics.kv_usage.get(), 0.0);
+    }
+}
+
+#[test]
+fn more_requests_than_the_pool_holds_all_finish_through_preemption() {
+    let mut run = Run::new(config(4, 64, 16), 40);
+    let prompts: Vec<Vec<u32>> = (0..16).map(|i| vec![1 + (i % 3) as u32; 30 + i]).collect();
+    let mut rxs: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| run.submit(i as u64, p.clone(), 40))
+        .collect();
+    run.run_to_end();
+    assert!(
+        run.metrics.preemptions.get() > 0,
+        "the pool of 160 tokens is oversubscribed"
+    );
+    let mut seen = HashMap::new();
+    for (rx, p) in rxs.iter_mut().zip(&prompts) {
+        let got = outcome(rx).0;
+        assert_eq!(&got, seen.entry(p.clone()).or_insert_with(|| alone(p, 40)));
+    }
+}
+
+/// Agent sessions whose histories outgrow the device pool: each turn re-sends its session's
+/// history. With a host tier the later turns hit what the device pool had to evict (copied
+/// back, not recomputed), and every output is the same as without the tier.
+#[test]
+fn later_turns_hit_the_host_tier_where_the_device_pool_evicted_their_prefix() {
+    let turns = |run: &mut Run| {
+        let mut outputs = Vec::new();
+        let mut histories: Vec<Vec<u32>> = (0..6).map(|s| vec![1 + s as u32 % 3, 2, 3]).collect();
+        for turn in 0..4u32 {
+            for (s, history) in histories.iter_mut().enumerate() {
+                history.extend((0..20).map(|i| 1 + (i * 7 + turn + s as u32) % 3));
+                let mut rx = run.submit((turn * 10 + s as u32) as u64, history.clone(), 6);
+                run.run_to_end();
+                let (tokens, usage) = outcome(&mut rx);
+                history.extend(&tokens);
+                outputs.push((tokens, usage.expect("finished").cached_tokens));
+            }
+        }
+        outputs
+    };
+    let mut plain = Run::new(config(4, 64, 8), 32);
+    let mut tiered = Run::tiered(config(4, 64, 8), 32, 256);
+    let (without, with) = (turns(&mut plain), turns(&mut tiered));
+    let tokens = |o: &[(Vec<u32>, usize)]| o.iter().map(|(t, _)| t.clone()).collect::<Vec<_>>();
+    assert_eq!(tokens(&with), tokens(&without), "the tier changed outputs");
+    let cached = |o: &[(Vec<u32>, usize)]| o.iter().map(|&(_, c)| c).sum::<usize>();
+    assert!(
+        cached(&with) > 2 * cached(&without),
+        "cached tokens {} with the tier, {} without",
+        cached(&with),
+        cached(&without)
+    );
+    let m = &tiered.metrics;
+    assert!(m.host_cached_tokens.get() > 0 && m.kv_pages_to_device.get() > 0);
+    assert!(m.kv_pages_to_host.get() > 0);
+}
+
+#[test]
+fn a_client_that_does_not_read_pauses_its_request_and_is_aborted_after_the_timeout() {
+    let mut cfg = config(4, 256, 8);
+    cfg.stall_timeout = Duration::from_millis(50);
+    let mut run = Run::new(cfg, 256);
+    let mut slow = run.submit_with_room(0, vec![3; 10], 1000, EVENT_BUFFER);
+    let mut fast = run.submit(1, vec![4; 10], 200);
+    for _ in 0..300 {
+        run.step();
+    }
+    // Admitted plus tokens up to the slot kept for the end: the slow request is paused.
+    let buffered = std::iter::from_fn(|| slow.try_recv().ok()).count();
+    assert_eq!(buffered, EVENT_BUFFER - 1, "{}", run.sched.describe());
+    assert!(
+        outcome(&mut fast).1.is_some(),
+        "the other request ran to its end"
+    );
+    // Reading makes room: it runs again, then stalls again.
+    for _ in 0..10 {
+        run.step();
+    }
+    let more: Vec<Event> = std::iter::from_fn(|| slow.try_recv().ok()).collect();
+    assert!(
+        !more.is_empty() && more.len() < EVENT_BUFFER,
+        "{}",
+        more.len()
+    );
+    for _ in 0..100 {
+        run.step();
+    }
+    assert!(run.metrics.kv_usage.get() > 0.0, "paused, its pages kept");
+    std::thread::sleep(Duration::from_millis(60));
+    run.sched.abort_stalled(Instant::now());
+    let ended: Vec<Event> = std::iter::from_fn(|| slow.try_recv().ok()).collect();
+    assert!(
+        matches!(ended.last(), Some(Event::Failed(why)) if why.contains("read none")),
+        "{ended:?}"
+    );
+    assert_eq!(run.metrics.requests_aborted.get(), 1);
+    assert_eq!(run.metrics.kv_usage.get(), 0.0, "its pages freed");
+    run.sched.check_pages();
+}
+
+#[test]
+fn a_paused_request_gives_its_batch_slot_to_a_waiting_one() {
+    let mut run = Run::new(config(4, 256, 1), 256);
+    let _slow = run.submit_with_room(0, vec![3; 10], 1000, EVENT_BUFFER);
+    let mut next = run.submit(1, vec![4; 10], 20);
+    for _ in 0..200 {
+        run.step();
+    }
+    assert!(outcome(&mut next).1.is_some(), "{}", run.sched.describe());
+    run.sched.check_pages();
+}
