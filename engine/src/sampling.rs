@@ -8,6 +8,8 @@
 use kiln_core::rng::Rng;
 use kiln_core::sampling::{exponential, sampling_words, SamplingRow};
 
+use crate::scheduler::TokenLogprobs;
+
 /// The tokens `row` keeps, with their weights `exp((l - max) / temperature)` (logits
 /// clamped to +-f32::MAX, NaN never kept; in descending logit order, ties by id, when a
 /// filter applies), and the weights' sum. `row` must be sampled.
@@ -77,6 +79,39 @@ pub fn sample(logits: &[f32], row: &SamplingRow) -> u32 {
         }
     }
     best.map_or(0, |b| b.1)
+}
+
+/// `token`'s log-probability in `logits` (log-softmax of the raw logits, NaN as no
+/// probability) and the `top` most likely tokens' (ties to the lower id).
+pub fn logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+    let numbers = || logits.iter().map(|&l| l as f64).filter(|l| !l.is_nan());
+    let max = numbers().fold(f64::NEG_INFINITY, f64::max);
+    let log_total = max + numbers().map(|l| (l - max).exp()).sum::<f64>().ln();
+    let of = |l: f32| match l.is_nan() {
+        true => f32::NEG_INFINITY,
+        false => (l as f64 - log_total) as f32,
+    };
+    let mut best: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&i| !logits[i as usize].is_nan())
+        .collect();
+    let by_logit = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let top = top.min(best.len());
+    if top > 0 && top < best.len() {
+        best.select_nth_unstable_by(top - 1, by_logit);
+    }
+    best.truncate(top);
+    best.sort_by(by_logit);
+    TokenLogprobs {
+        logprob: of(logits[token as usize]),
+        top: best
+            .into_iter()
+            .map(|i| (i, of(logits[i as usize])))
+            .collect(),
+    }
 }
 
 /// Verification of a draft tree node's children (their tokens, in the order tried)
@@ -161,6 +196,20 @@ mod tests {
             counts[sample(logits, &SamplingRow { position, ..row }) as usize] += 1;
         }
         counts
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_with_the_most_likely_first() {
+        let logits = [1.0f32, 3.0, f32::NAN, 3.0, -2.0];
+        let l = logprobs(&logits, 4, 3);
+        let total: f64 = [1.0f64, 3.0, 3.0, -2.0].iter().map(|x| x.exp()).sum();
+        assert!((l.logprob as f64 - (-2.0 - total.ln())).abs() < 1e-6);
+        let ids: Vec<u32> = l.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 0], "ties to the lower id, NaN never listed");
+        assert!((l.top[0].1 as f64 - (3.0 - total.ln())).abs() < 1e-6);
+        assert_eq!(logprobs(&logits, 2, 9).logprob, f32::NEG_INFINITY);
+        assert_eq!(logprobs(&logits, 2, 9).top.len(), 4);
+        assert!(logprobs(&logits, 0, 0).top.is_empty());
     }
 
     #[test]

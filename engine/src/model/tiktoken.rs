@@ -15,6 +15,8 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
+use super::tokenizer::byte_level_alphabet;
+
 /// `pat_str` of Kimi K2's `tokenization_kimi.py`: Han runs apart from other letters.
 pub const KIMI_PATTERN: &str = concat!(
     r"[\p{Han}]+",
@@ -93,23 +95,6 @@ fn base64_decode(s: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// GPT-2's byte-level alphabet: each byte as the printable character byte-level BPE
-/// writes it in token strings (printable Latin-1 as itself, the rest from U+0100 on).
-fn byte_chars() -> [char; 256] {
-    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-    let mut chars = ['\0'; 256];
-    let mut next = 256u32;
-    for b in 0..=255u8 {
-        chars[b as usize] = if printable(b) {
-            char::from(b)
-        } else {
-            next += 1;
-            char::from_u32(next - 1).expect("below U+0200")
-        };
-    }
-    chars
-}
-
 /// The parts tiktoken's byte-pair merge leaves `token` in when only tokens ranked below
 /// `rank` may form: two for a token BPE training made.
 fn parts_below(ranks: &HashMap<&[u8], usize>, token: &[u8], rank: usize) -> Vec<(usize, usize)> {
@@ -131,7 +116,7 @@ fn parts_below(ranks: &HashMap<&[u8], usize>, token: &[u8], rank: usize) -> Vec<
 
 /// The `tokenizer.json` of `ranks` split by `pattern`, with `specials` (name, id) added.
 pub fn tokenizer_json(ranks: &[Vec<u8>], pattern: &str, specials: &[(String, u32)]) -> Value {
-    let chars = byte_chars();
+    let chars = byte_level_alphabet();
     let text = |bytes: &[u8]| bytes.iter().map(|&b| chars[b as usize]).collect::<String>();
     let by_bytes: HashMap<&[u8], usize> = ranks
         .iter()
@@ -258,17 +243,6 @@ mod tests {
             parse_ranks("aGk= 1\nIQ== 0\n").unwrap(),
             vec![b"!".to_vec(), b"hi".to_vec()]
         );
-    }
-
-    #[test]
-    fn byte_level_alphabet_is_gpt2s() {
-        let c = byte_chars();
-        assert_eq!(
-            (c[b'!' as usize], c[b' ' as usize], c[b'\n' as usize]),
-            ('!', '\u{120}', '\u{10a}')
-        );
-        let distinct: std::collections::HashSet<char> = c.iter().copied().collect();
-        assert_eq!(distinct.len(), 256);
     }
 
     #[test]

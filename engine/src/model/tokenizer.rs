@@ -124,8 +124,57 @@ impl TextCodec {
             .map_err(|e| e.to_string())
     }
 
+    /// The bytes token `id` stands for: its byte-level string read back through the
+    /// alphabet, or else (SentencePiece, added tokens outside the alphabet) its decoded text.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let alphabet = byte_level_alphabet();
+        let bytes: Option<Vec<u8>> = self.tokenizer.id_to_token(id).and_then(|t| {
+            t.chars()
+                .map(|c| alphabet.iter().position(|&a| a == c).map(|b| b as u8))
+                .collect()
+        });
+        bytes.unwrap_or_else(|| {
+            self.decode_with_special(&[id])
+                .unwrap_or_default()
+                .into_bytes()
+        })
+    }
+
     /// Text of `ids` (special tokens skipped).
     pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
         self.tokenizer.decode(ids, true).map_err(|e| e.to_string())
+    }
+}
+
+/// GPT-2's byte-level alphabet: each byte as the printable character byte-level BPE
+/// writes it in token strings (printable Latin-1 as itself, the rest from U+0100 on).
+pub(crate) fn byte_level_alphabet() -> [char; 256] {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut chars = ['\0'; 256];
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        chars[b as usize] = if printable(b) {
+            char::from(b)
+        } else {
+            next += 1;
+            char::from_u32(next - 1).expect("below U+0200")
+        };
+    }
+    chars
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_alphabet_is_gpt2s() {
+        let c = byte_level_alphabet();
+        assert_eq!(
+            (c[b'!' as usize], c[b' ' as usize], c[b'\n' as usize]),
+            ('!', '\u{120}', '\u{10a}')
+        );
+        let distinct: std::collections::HashSet<char> = c.iter().copied().collect();
+        assert_eq!(distinct.len(), 256);
     }
 }

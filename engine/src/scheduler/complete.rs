@@ -6,7 +6,7 @@ use kiln_core::rng::Rng;
 use kiln_core::sampling::SamplingRow;
 
 use super::*;
-use crate::sampling::{sample, verify};
+use crate::sampling::{logprobs, sample, verify};
 
 /// What a step returns for each row that gets logits.
 #[derive(Clone, Copy, Debug)]
@@ -39,6 +39,14 @@ impl<'a> Scores<'a> {
         match self {
             Scores::Logits(logits, _) => sample(logits, row),
             Scores::Tokens(ids) => ids[0],
+        }
+    }
+
+    /// `token`'s log-probabilities at this one row ([`logprobs`]), with the `top` most likely.
+    fn logprobs(self, token: u32, top: usize) -> TokenLogprobs {
+        match self {
+            Scores::Logits(logits, _) => logprobs(logits, token, top),
+            Scores::Tokens(_) => panic!("log-probabilities asked of a step without logits"),
         }
     }
 
@@ -95,6 +103,8 @@ impl Scheduler {
             let simulated = self.cfg.speculative.and_then(|s| s.simulated_accept_len);
             let kept = simulated.map(|l| simulated_accepts(l, draft.max_depth(), r.rng.uniform()));
             let (mut path, mut emitted) = (Vec::new(), Vec::new());
+            // Each emitted token's log-probabilities, from the row it was chosen at.
+            let mut reported = Vec::new();
             let mut node = ROOT;
             loop {
                 let row = rows.row((node + 1) as usize);
@@ -107,16 +117,22 @@ impl Scheduler {
                     None if children.is_empty() => Err(row.sample(&params)),
                     None => row.verify(&tokens, &params, &mut r.rng),
                 };
+                let token = match chosen {
+                    Ok(k) => tokens[k],
+                    Err(t) => t,
+                };
+                emitted.push(token);
+                reported.push(
+                    r.params
+                        .logprobs
+                        .map(|top| Box::new(row.logprobs(token, top))),
+                );
                 match chosen {
                     Ok(k) => {
                         path.push(children[k]);
-                        emitted.push(tokens[k]);
                         node = children[k] as i32;
                     }
-                    Err(t) => {
-                        emitted.push(t);
-                        break;
-                    }
+                    Err(_) => break,
                 }
             }
             let accepted = path.len();
@@ -147,7 +163,7 @@ impl Scheduler {
                 }
             }
             let mut reason = None;
-            for token in emitted {
+            for (token, logprobs) in emitted.into_iter().zip(reported) {
                 let stop = (!r.params.ignore_eos && self.cfg.eos_token_ids.contains(&token))
                     || r.params.stop_token_ids.contains(&token);
                 if stop {
@@ -156,7 +172,7 @@ impl Scheduler {
                 }
                 r.tokens.push(token);
                 self.metrics.generation_tokens.add(1);
-                r.send(Event::Token(token));
+                r.send(Event::Token(token, logprobs));
                 if r.generated() >= r.params.max_tokens || r.tokens.len() >= self.cfg.context_len {
                     reason = Some(FinishReason::Length);
                     break;

@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 
 pub use complete::Scores;
 use request::Request;
-pub use request::{Event, FinishReason, SamplingParams, Submission, Usage, EVENT_BUFFER};
+pub use request::{
+    Event, FinishReason, SamplingParams, Submission, TokenLogprobs, Usage, EVENT_BUFFER,
+};
 
 use crate::cache::{KvCopy, PagePool, PrefixCache};
 use crate::metrics::{Metrics, PolicyDecision};
@@ -279,7 +281,7 @@ impl Scheduler {
                 continue;
             }
             let row = r.sampling_row(r.tokens.len());
-            if row.is_sampled() && !draft.is_empty() {
+            if (row.is_sampled() && !draft.is_empty()) || r.params.logprobs.is_some() {
                 sampling = None;
             }
             if let Some(rows) = sampling.as_mut() {

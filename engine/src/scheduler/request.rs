@@ -29,6 +29,9 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating through end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+    /// Report each generated token's log-probability and this many most likely
+    /// alternatives (`None`: none). Its steps read rows of logits back.
+    pub logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -42,6 +45,7 @@ impl Default for SamplingParams {
             seed: 0,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }
@@ -83,12 +87,21 @@ pub struct Usage {
 pub enum Event {
     /// The prompt was admitted; this much of it came from the cache.
     Admitted { cached_tokens: usize },
-    /// A generated token.
-    Token(u32),
+    /// A generated token, with its log-probabilities when the request asked for them.
+    Token(u32, Option<Box<TokenLogprobs>>),
     /// The end. The stop token that ended it (if any) is not among the tokens.
     Finished { reason: FinishReason, usage: Usage },
     /// The request cannot run (e.g. the device failed); nothing more follows.
     Failed(String),
+}
+
+/// A generated token's log-probability under the model (the log-softmax of its raw
+/// logits, before temperature and filters, as OpenAI and vLLM report it) and the most likely
+/// tokens' at its position, most likely first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Events a request's channel holds that its client has not read. The engine never blocks

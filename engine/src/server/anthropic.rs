@@ -297,6 +297,7 @@ pub async fn messages(
         stop: req.stop_sequences.take().map(Stop::Many),
         stop_token_ids: Some(stops),
         ignore_eos: None,
+        logprobs: None,
     };
     let p = prepare(&state, ids, sampling, "messages").map_err(refused)?;
     let mut pieces = start(&state, &p, session_id(&headers), end_of_text)?;

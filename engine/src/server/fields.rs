@@ -44,7 +44,6 @@ pub const OPENAI: &[&[Neutral]] = &[
     PENALTIES,
     &[
         ("logit_bias", empty),
-        ("top_logprobs", zero),
         ("echo", no),
         ("best_of", one),
         ("suffix", empty),

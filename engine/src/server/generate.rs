@@ -141,6 +141,7 @@ pub async fn generate(
         stop: s.stop,
         stop_token_ids: s.stop_token_ids,
         ignore_eos: s.ignore_eos,
+        logprobs: None,
     };
     let p = prepare(&state, prompt, raw, "input_ids").inspect_err(|_| state.rejected())?;
     let session = session_id(&headers).or(req.session_id);

@@ -11,10 +11,13 @@ use serde_json::{json, Value};
 use super::chat_format::{ChatMessage, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, OPENAI};
-use super::run::{prepare, sse, start, Outcome, Piece, Pieces, RawSampling, Stop, OPENAI_NAMES};
+use super::run::{
+    prepare, sse, start, Outcome, Piece, Pieces, RawSampling, Stop, MAX_TOP_LOGPROBS, OPENAI_NAMES,
+};
 use super::tools::{self, Tools};
 use super::{session_id, unix_time, AppState, SharedState};
 use crate::scheduler::FinishReason;
+use crate::scheduler::TokenLogprobs;
 
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -51,7 +54,10 @@ pub struct Common {
     stream_options: Option<StreamOptions>,
     #[serde(default)]
     return_token_ids: bool,
+    /// Chat's `true`, or the completions API's count of alternatives.
     logprobs: Option<Value>,
+    /// Chat's count of alternatives.
+    top_logprobs: Option<i64>,
     /// Every other field: refused unless harmless (see `fields`).
     #[serde(flatten)]
     rest: serde_json::Map<String, Value>,
@@ -71,6 +77,17 @@ impl Common {
             stop: self.stop.clone(),
             stop_token_ids: self.stop_token_ids.clone(),
             ignore_eos: self.ignore_eos,
+            logprobs: self.logprobs_wanted(),
+        }
+    }
+
+    /// How many alternatives each token's log-probabilities list, if they are wanted
+    /// (after [`Self::check`]).
+    fn logprobs_wanted(&self) -> Option<usize> {
+        match &self.logprobs {
+            Some(Value::Bool(true)) => Some(self.top_logprobs.unwrap_or(0) as usize),
+            Some(Value::Number(n)) => n.as_u64().map(|n| n as usize),
+            _ => None,
         }
     }
 
@@ -80,17 +97,27 @@ impl Common {
         state.accepting()?;
         state.check_model(self.model.as_deref())?;
         refuse_unsupported(&self.rest, "", OPENAI).inspect_err(|_| state.rejected())?;
-        if self
-            .logprobs
-            .as_ref()
-            .is_some_and(|v| !v.is_null() && v != &json!(false))
-        {
-            return Err(ApiError::invalid(
-                "logprobs are not supported",
-                Some("logprobs"),
-            ));
+        let in_range = |n: i64| (0..=MAX_TOP_LOGPROBS as i64).contains(&n);
+        let refuse = |what: String, field| {
+            state.rejected();
+            Err(ApiError::invalid(what, Some(field)))
+        };
+        match (&self.logprobs, self.top_logprobs) {
+            (None | Some(Value::Null) | Some(Value::Bool(false)), None | Some(0)) => Ok(()),
+            (None | Some(Value::Null) | Some(Value::Bool(false)), Some(_)) => {
+                refuse("top_logprobs needs logprobs: true".into(), "top_logprobs")
+            }
+            (Some(Value::Bool(true)), top) if top.is_none_or(in_range) => Ok(()),
+            (Some(Value::Bool(true)), _) => refuse(
+                format!("top_logprobs must be in 0..={MAX_TOP_LOGPROBS}"),
+                "top_logprobs",
+            ),
+            (Some(Value::Number(n)), None) if n.as_i64().is_some_and(in_range) => Ok(()),
+            _ => refuse(
+                format!("logprobs must be a boolean, or a count in 0..={MAX_TOP_LOGPROBS}"),
+                "logprobs",
+            ),
         }
-        Ok(())
     }
 
     fn include_usage(&self) -> bool {
@@ -125,6 +152,53 @@ fn usage_json(o: &Outcome) -> Value {
     })
 }
 
+/// A token as log-probability objects show it: its text, log-probability and bytes.
+fn token_json(state: &AppState, id: u32, logprob: f32) -> Value {
+    let text = state.codec.decode_with_special(&[id]).unwrap_or_default();
+    json!({"token": text, "logprob": logprob, "bytes": state.codec.token_bytes(id)})
+}
+
+/// Chat's `logprobs` of `ids`: an entry a token, with its alternatives.
+fn chat_logprobs(state: &AppState, ids: &[u32], logprobs: &[TokenLogprobs]) -> Value {
+    let content: Vec<Value> = (ids.iter().zip(logprobs))
+        .map(|(&id, l)| {
+            let mut entry = token_json(state, id, l.logprob);
+            entry["top_logprobs"] = (l.top.iter())
+                .map(|&(t, lp)| token_json(state, t, lp))
+                .collect();
+            entry
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// The completions API's `logprobs` of `ids`, whose text starts `offset` bytes into the
+/// completion.
+fn completion_logprobs(
+    state: &AppState,
+    ids: &[u32],
+    logprobs: &[TokenLogprobs],
+    mut offset: usize,
+) -> Value {
+    let text = |id| state.codec.decode_with_special(&[id]).unwrap_or_default();
+    let (mut tokens, mut offsets) = (Vec::new(), Vec::new());
+    for &id in ids {
+        let t = text(id);
+        offsets.push(offset);
+        offset += t.len();
+        tokens.push(t);
+    }
+    let top: Vec<Value> = (logprobs.iter())
+        .map(|l| {
+            let alternatives: serde_json::Map<String, Value> =
+                l.top.iter().map(|&(t, lp)| (text(t), json!(lp))).collect();
+            Value::Object(alternatives)
+        })
+        .collect();
+    json!({"tokens": tokens, "token_logprobs": logprobs.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+           "top_logprobs": top, "text_offset": offsets})
+}
+
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<SharedState>,
@@ -154,9 +228,11 @@ pub async fn completions(
         state.model_name.clone(),
     );
     let ids_wanted = c.return_token_ids;
+    let logprobs_wanted = c.logprobs_wanted().is_some();
     if c.stream {
         let include_usage = c.include_usage();
         let mut first = true;
+        let (st, mut offset) = (state.clone(), 0);
         return Ok(sse(pieces, move |piece, _| {
             let chunk = |choice: Value| {
                 json!({"id": id, "object": "text_completion", "created": created,
@@ -167,8 +243,16 @@ pub async fn completions(
                     e.body(),
                     chunk(json!({"index": 0, "text": "", "finish_reason": ABORT})),
                 ],
-                Ok(Piece::Delta { text, ids }) => {
+                Ok(Piece::Delta {
+                    text,
+                    ids,
+                    logprobs,
+                }) => {
                     let mut choice = json!({"index": 0, "text": text, "finish_reason": null});
+                    if logprobs_wanted {
+                        choice["logprobs"] = completion_logprobs(&st, &ids, &logprobs, offset);
+                        offset += text.len();
+                    }
                     if ids_wanted {
                         choice["token_ids"] = json!(ids);
                         if std::mem::take(&mut first) {
@@ -195,6 +279,9 @@ pub async fn completions(
     let (text, outcome) = collect(&mut pieces).await?;
     let mut choice = json!({"index": 0, "text": text, "finish_reason": outcome.reason.as_str(),
                             "logprobs": null});
+    if logprobs_wanted {
+        choice["logprobs"] = completion_logprobs(&state, pieces.ids(), pieces.logprobs(), 0);
+    }
     if ids_wanted {
         choice["token_ids"] = json!(pieces.ids());
         choice["prompt_token_ids"] = json!(prompt_ids);
@@ -257,6 +344,7 @@ pub async fn chat(
         model: state.model_name.clone(),
         prompt_ids: p.prompt,
         ids_wanted: c.return_token_ids,
+        logprobs_wanted: c.logprobs_wanted().is_some(),
         include_usage: c.include_usage(),
         tools,
     };
@@ -273,6 +361,7 @@ struct Reply {
     model: String,
     prompt_ids: Vec<u32>,
     ids_wanted: bool,
+    logprobs_wanted: bool,
     include_usage: bool,
     /// The tools offered; `None`: no tool calls are parsed.
     tools: Option<Tools>,
@@ -304,12 +393,20 @@ fn chat_stream(state: SharedState, pieces: Pieces, reply: Reply) -> Response {
                 out.push(e.body());
                 out.push(reply.chunk(json!({}), Some(ABORT)));
             }
-            Ok(Piece::Delta { text, ids }) => {
+            Ok(Piece::Delta {
+                text,
+                ids,
+                logprobs,
+            }) => {
                 let mut delta = json!({"content": text});
                 if reply.ids_wanted {
                     delta["token_ids"] = json!(ids);
                 }
-                out.push(reply.chunk(delta, None));
+                let mut chunk = reply.chunk(delta, None);
+                if reply.logprobs_wanted {
+                    chunk["choices"][0]["logprobs"] = chat_logprobs(&state, &ids, &logprobs);
+                }
+                out.push(chunk);
             }
             Ok(Piece::Done(o)) => {
                 let calls = tool_calls(&state, reply.tools.as_ref(), all_ids);
@@ -355,6 +452,9 @@ async fn chat_whole(
     };
     let mut choice = json!({"index": 0, "message": message, "finish_reason": finish,
                             "logprobs": null});
+    if reply.logprobs_wanted {
+        choice["logprobs"] = chat_logprobs(state, pieces.ids(), pieces.logprobs());
+    }
     if reply.ids_wanted {
         choice["token_ids"] = json!(pieces.ids());
     }

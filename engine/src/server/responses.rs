@@ -304,6 +304,7 @@ pub async fn responses(
         stop: None,
         stop_token_ids: Some(stops),
         ignore_eos: None,
+        logprobs: None,
     };
     let p = prepare(&state, prompt, sampling, "input").map_err(refused)?;
     let mut pieces = start(&state, &p, session_id(&headers), end_of_text)?;

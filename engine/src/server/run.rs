@@ -13,7 +13,9 @@ use tokio::sync::watch;
 use super::detok::Detokenizer;
 use super::error::ApiError;
 use super::AppState;
-use crate::scheduler::{Event, FinishReason, SamplingParams, Submission, Usage, EVENT_BUFFER};
+use crate::scheduler::{
+    Event, FinishReason, SamplingParams, Submission, TokenLogprobs, Usage, EVENT_BUFFER,
+};
 
 /// `stop`: one string or a list.
 #[derive(Clone, Debug, Deserialize)]
@@ -78,7 +80,13 @@ pub struct RawSampling {
     pub stop: Option<Stop>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub ignore_eos: Option<bool>,
+    /// Log-probabilities of the generated tokens and this many alternatives (checked by
+    /// the endpoint, at most [`MAX_TOP_LOGPROBS`]).
+    pub logprobs: Option<usize>,
 }
+
+/// Most alternatives a token's log-probabilities list (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// A request ready for the engine.
 pub struct Prepared {
@@ -166,6 +174,7 @@ pub fn prepare(
             seed: raw.seed.unwrap_or(id),
             stop_token_ids: raw.stop_token_ids.unwrap_or_default(),
             ignore_eos: raw.ignore_eos.unwrap_or(false),
+            logprobs: raw.logprobs,
         },
         stops: raw.stop.map(Stop::into_vec).unwrap_or_default(),
     })
@@ -228,8 +237,12 @@ pub fn submit(
 
 /// What a generation produced so far, piece by piece.
 pub enum Piece {
-    /// New text and the ids it came from.
-    Delta { text: String, ids: Vec<u32> },
+    /// New text, the ids it came from and their log-probabilities (when asked for).
+    Delta {
+        text: String,
+        ids: Vec<u32>,
+        logprobs: Vec<TokenLogprobs>,
+    },
     /// The end.
     Done(Outcome),
 }
@@ -254,6 +267,7 @@ pub struct Pieces {
     detok: Detokenizer,
     prompt_tokens: usize,
     cached_tokens: usize,
+    logprobs: Vec<TokenLogprobs>,
     ready: VecDeque<Result<Piece, ApiError>>,
     done: bool,
 }
@@ -275,6 +289,7 @@ impl Pieces {
             detok,
             prompt_tokens,
             cached_tokens: 0,
+            logprobs: Vec::new(),
             ready: VecDeque::new(),
             done: false,
         }
@@ -283,6 +298,11 @@ impl Pieces {
     /// All ids generated so far.
     pub fn ids(&self) -> &[u32] {
         self.detok.ids()
+    }
+
+    /// Their log-probabilities, when the request asked for them.
+    pub fn logprobs(&self) -> &[TokenLogprobs] {
+        &self.logprobs
     }
 
     /// The next piece; `None` after the end. A stop string ends the generation there and
@@ -312,10 +332,15 @@ impl Pieces {
         let fail = |status, code, why: String| Err(ApiError::with_status(status, code, why));
         match event {
             Some(Event::Admitted { cached_tokens }) => self.cached_tokens = cached_tokens,
-            Some(Event::Token(t)) => {
+            Some(Event::Token(t, logprobs)) => {
                 let text = self.detok.push(t);
-                self.ready
-                    .push_back(Ok(Piece::Delta { text, ids: vec![t] }));
+                let logprobs: Vec<TokenLogprobs> = logprobs.map(|l| *l).into_iter().collect();
+                self.logprobs.extend(logprobs.iter().cloned());
+                self.ready.push_back(Ok(Piece::Delta {
+                    text,
+                    ids: vec![t],
+                    logprobs,
+                }));
                 if self.detok.stopped() {
                     self.ended_by_client.store(true, Ordering::Release);
                     self.rx.close();
@@ -331,7 +356,11 @@ impl Pieces {
             Some(Event::Finished { reason, usage }) => {
                 let text = self.detok.finish();
                 if !text.is_empty() {
-                    self.ready.push_back(Ok(Piece::Delta { text, ids: vec![] }));
+                    self.ready.push_back(Ok(Piece::Delta {
+                        text,
+                        ids: vec![],
+                        logprobs: vec![],
+                    }));
                 }
                 self.end(reason, usage);
             }

@@ -268,7 +268,7 @@ fn outcome(rx: &mut Receiver<Event>) -> (Vec<u32>, Option<Usage>) {
     let (mut tokens, mut usage) = (Vec::new(), None);
     while let Ok(e) = rx.try_recv() {
         match e {
-            Event::Token(t) => tokens.push(t),
+            Event::Token(t, _) => tokens.push(t),
             Event::Finished { usage: u, .. } => usage = Some(u),
             Event::Admitted { .. } => {}
             Event::Failed(why) => panic!("failed: {why}"),

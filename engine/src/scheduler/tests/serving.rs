@@ -273,3 +273,41 @@ fn a_paused_request_gives_its_batch_slot_to_a_waiting_one() {
     assert!(outcome(&mut next).1.is_some(), "{}", run.sched.describe());
     run.sched.check_pages();
 }
+
+/// A request that asks for log-probabilities gets them with each token, from the rows of
+/// logits its steps read back (the log-softmax of the model's logits, its token's and the
+/// most likely ones'); its tokens are those of the same request without them.
+#[test]
+fn logprobs_come_with_each_token_from_its_row() {
+    let prompt = periodic_prompt(1);
+    let run_with = |logprobs| {
+        let mut run = Run::new(config(4, 512, 8), 512);
+        run.kv.model = soft;
+        let params = SamplingParams {
+            max_tokens: 6,
+            logprobs,
+            ..SamplingParams::default()
+        };
+        let mut rx = run.submit_params(0, prompt.clone(), params, ROOM);
+        run.run_to_end();
+        let mut got = Vec::new();
+        while let Ok(e) = rx.try_recv() {
+            if let Event::Token(t, l) = e {
+                got.push((t, l));
+            }
+        }
+        (got, run.device_steps)
+    };
+    let (plain, device) = run_with(None);
+    assert!(device > 0 && plain.iter().all(|(_, l)| l.is_none()));
+    let (with, device) = run_with(Some(2));
+    assert_eq!(device, 0, "steps with log-probabilities read logits back");
+    assert_eq!(with.len(), plain.len());
+    let mut ctx = prompt.clone();
+    for ((t, l), (plain_t, _)) in with.iter().zip(&plain) {
+        assert_eq!(t, plain_t);
+        let l = l.as_ref().expect("asked for");
+        assert_eq!(**l, crate::sampling::logprobs(&soft(&ctx), *t, 2));
+        ctx.push(*t);
+    }
+}

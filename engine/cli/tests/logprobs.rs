@@ -1,0 +1,63 @@
+//! Log-probabilities over HTTP, read by OpenAI's own Python client: chat (whole and
+//! streamed) and completions, against the server's greedy choice; bad values refused.
+mod common;
+
+use common::server::Server;
+use common::{post, run_python_client};
+use serde_json::json;
+
+#[test]
+fn the_official_python_sdk_reads_logprobs_of_chat_and_completions() {
+    let server = Server::start(&[]);
+    let script = r#"
+import sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
+ask = dict(model="kiln-tiny-random", messages=[{"role": "user", "content": "Name a cache."}],
+           max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+r = c.chat.completions.create(**ask)
+lp = r.choices[0].logprobs.content
+assert len(lp) == r.usage.completion_tokens > 0, (len(lp), r.usage)
+for e in lp:
+    tops = [t.logprob for t in e.top_logprobs]
+    assert len(tops) == 3 and tops == sorted(tops, reverse=True), e
+    # Greedy decoding emits the most likely token.
+    assert e.token == e.top_logprobs[0].token and abs(e.logprob - tops[0]) < 1e-6, e
+    assert e.logprob <= 0
+    if "\ufffd" not in e.token:
+        assert bytes(e.bytes) == e.token.encode(), e
+streamed = [e for ch in c.chat.completions.create(stream=True, **ask)
+            if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in lp]
+plain = c.chat.completions.create(**{k: v for k, v in ask.items() if "logprobs" not in k})
+assert plain.choices[0].logprobs is None
+assert plain.choices[0].message.content == r.choices[0].message.content
+comp = c.completions.create(model="kiln-tiny-random", prompt="Name a cache.", max_tokens=5,
+                            temperature=0, logprobs=2)
+L = comp.choices[0].logprobs
+n = comp.usage.completion_tokens
+assert len(L.tokens) == len(L.token_logprobs) == len(L.top_logprobs) == len(L.text_offset) == n
+assert all(1 <= len(t) <= 2 for t in L.top_logprobs) and L.text_offset == sorted(L.text_offset)
+print("ok", len(lp))
+"#;
+    run_python_client(script, &server.url, "openai", "openai==3.63.0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprob_requests_out_of_range_are_refused_with_the_field_named() {
+    let server = Server::start(&[]);
+    let user = json!([{"role": "user", "content": "hi"}]);
+    for (body, field) in [
+        (
+            json!({"messages": user, "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (json!({"messages": user, "top_logprobs": 2}), "top_logprobs"),
+        (json!({"messages": user, "logprobs": "yes"}), "logprobs"),
+        (json!({"messages": user, "logprobs": 30}), "logprobs"),
+    ] {
+        let url = format!("{}/v1/chat/completions", server.url);
+        let (status, reply) = post(&url, body.to_string(), None).await;
+        assert_eq!(status, 400, "{body}: {reply}");
+        assert_eq!(reply["error"]["param"], field, "{body}: {reply}");
+    }
+}
