@@ -451,8 +451,8 @@ async fn every_refusal_is_an_openai_error_naming_its_field() {
         ),
         (
             "/generate",
-            json!({"input_ids": [5], "return_logprob": true}),
-            "return_logprob",
+            json!({"input_ids": [5], "return_logprob": true, "top_logprobs_num": 21}),
+            "top_logprobs_num",
         ),
         (
             "/generate",

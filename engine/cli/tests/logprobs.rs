@@ -42,6 +42,50 @@ print("ok", len(lp))
     run_python_client(script, &server.url, "openai", "openai==3.63.0");
 }
 
+/// SGLang's `/generate`: `[logprob, id, null]` for each output id, alternatives most likely
+/// first, the greedy choice the most likely; cumulative when streamed, the last chunk whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_returns_sglang_logprob_triples() {
+    let server = Server::start(&[]);
+    let url = format!("{}/generate", server.url);
+    let ask = json!({"input_ids": [5, 6, 7], "return_logprob": true, "top_logprobs_num": 2,
+                     "sampling_params": {"max_new_tokens": 5, "temperature": 0}});
+    let (status, r) = post(&url, ask.to_string(), None).await;
+    assert_eq!(status, 200, "{r}");
+    let ids = r["output_ids"].as_array().unwrap();
+    let tokens = r["meta_info"]["output_token_logprobs"].as_array().unwrap();
+    let tops = r["meta_info"]["output_top_logprobs"].as_array().unwrap();
+    assert!(
+        !ids.is_empty() && tokens.len() == ids.len() && tops.len() == ids.len(),
+        "{r}"
+    );
+    for ((id, t), top) in ids.iter().zip(tokens).zip(tops) {
+        assert_eq!(&t[1], id);
+        assert!(t[0].as_f64().unwrap() <= 0.0 && t[2].is_null());
+        assert_eq!(top.as_array().unwrap().len(), 2);
+        assert_eq!(&top[0][1], id, "greedy takes the most likely");
+        assert!(top[0][0].as_f64() >= top[1][0].as_f64());
+    }
+    let mut stream = ask.clone();
+    stream["stream"] = json!(true);
+    let text = common::post_text(&url, &stream).await;
+    let last: serde_json::Value = (text.lines())
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .last()
+        .unwrap();
+    assert_eq!(
+        last["meta_info"]["output_token_logprobs"],
+        r["meta_info"]["output_token_logprobs"]
+    );
+    let (_, plain) = post(&url, json!({"input_ids": [5, 6, 7]}).to_string(), None).await;
+    assert!(
+        plain["meta_info"].get("output_token_logprobs").is_none(),
+        "{plain}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logprob_requests_out_of_range_are_refused_with_the_field_named() {
     let server = Server::start(&[]);

@@ -11,8 +11,11 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, SGLANG_SAMPLING};
-use super::run::{prepare, sse, start, Outcome, Piece, RawSampling, Stop, SGLANG_NAMES};
+use super::run::{
+    prepare, sse, start, Outcome, Piece, RawSampling, Stop, MAX_TOP_LOGPROBS, SGLANG_NAMES,
+};
 use super::{session_id, SharedState};
+use crate::scheduler::TokenLogprobs;
 
 #[derive(Deserialize, Default)]
 pub struct SamplingFields {
@@ -43,9 +46,13 @@ pub struct GenerateRequest {
     session_id: Option<String>,
     /// Checked like OpenAI's: the served model or none.
     model: Option<String>,
-    /// Log probabilities are not returned yet: `true` is refused.
+    /// Each generated token's log-probability in `meta_info.output_token_logprobs`
+    /// (`[logprob, id, null]`), and with `top_logprobs_num` the most likely alternatives in
+    /// `meta_info.output_top_logprobs`, as SGLang returns them.
     #[serde(default)]
     return_logprob: bool,
+    #[serde(default)]
+    top_logprobs_num: usize,
     /// Every other field: refused unless harmless (see `fields`).
     #[serde(flatten)]
     rest: serde_json::Map<String, Value>,
@@ -68,6 +75,23 @@ fn body(
         b["meta_info"]["spec_accepted_tokens"] = json!(o.usage.spec_accepted_tokens);
     }
     b
+}
+
+/// SGLang's log-probability fields in `b`'s `meta_info` (`[logprob, id, text]` triples,
+/// text not asked for), when `wanted`.
+fn with_logprobs(b: &mut Value, wanted: bool, ids: &[u32], logprobs: &[TokenLogprobs]) {
+    if !wanted {
+        return;
+    }
+    let triple = |lp: f32, id: u32| json!([lp, id, null]);
+    let (tokens, top): (Vec<Value>, Vec<Value>) = (ids.iter().zip(logprobs))
+        .map(|(&id, l)| {
+            let top: Vec<Value> = l.top.iter().map(|&(t, lp)| triple(lp, t)).collect();
+            (triple(l.logprob, id), json!(top))
+        })
+        .unzip();
+    b["meta_info"]["output_token_logprobs"] = json!(tokens);
+    b["meta_info"]["output_top_logprobs"] = json!(top);
 }
 
 /// A `/generate` body with its `meta_info`.
@@ -108,12 +132,12 @@ pub async fn generate(
                 SGLANG_SAMPLING,
             )
         })
-        .and_then(|()| match req.return_logprob {
-            true => Err(ApiError::unsupported(
-                "return_logprob",
-                "log probabilities are not returned yet",
+        .and_then(|()| match req.top_logprobs_num {
+            n if n > MAX_TOP_LOGPROBS => Err(ApiError::invalid(
+                format!("top_logprobs_num must be at most {MAX_TOP_LOGPROBS}"),
+                Some("top_logprobs_num"),
             )),
-            false => Ok(()),
+            _ => Ok(()),
         });
     checked.inspect_err(|_| state.rejected())?;
     let prompt = match (req.input_ids, req.text) {
@@ -141,25 +165,37 @@ pub async fn generate(
         stop: s.stop,
         stop_token_ids: s.stop_token_ids,
         ignore_eos: s.ignore_eos,
-        logprobs: None,
+        logprobs: req.return_logprob.then_some(req.top_logprobs_num),
     };
     let p = prepare(&state, prompt, raw, "input_ids").inspect_err(|_| state.rejected())?;
     let session = session_id(&headers).or(req.session_id);
     let mut pieces = start(&state, &p, session, None)?;
     let (id, prompt_len) = (p.id.to_string(), p.prompt.len());
+    let wanted = req.return_logprob;
     if req.stream {
-        let mut text = String::new();
+        let (mut text, mut logprobs) = (String::new(), Vec::new());
         return Ok(sse(pieces, move |piece, ids| match piece {
             Err(e) => {
                 // SGLang's shape for a request the server ended: finish_reason "abort".
                 let finish = json!({"type": "abort", "message": e.message});
                 vec![e.body(), meta(&id, &text, ids, prompt_len, 0, Some(finish))]
             }
-            Ok(Piece::Delta { text: t, .. }) => {
+            Ok(Piece::Delta {
+                text: t,
+                logprobs: l,
+                ..
+            }) => {
                 text.push_str(&t);
-                vec![body(&id, &text, ids, prompt_len, 0, None)]
+                logprobs.extend(l);
+                let mut b = body(&id, &text, ids, prompt_len, 0, None);
+                with_logprobs(&mut b, wanted, ids, &logprobs);
+                vec![b]
             }
-            Ok(Piece::Done(o)) => vec![body(&id, &text, ids, prompt_len, 0, Some(&o))],
+            Ok(Piece::Done(o)) => {
+                let mut b = body(&id, &text, ids, prompt_len, 0, Some(&o));
+                with_logprobs(&mut b, wanted, ids, &logprobs);
+                vec![b]
+            }
         }));
     }
     let mut text = String::new();
@@ -167,7 +203,8 @@ pub async fn generate(
         match pieces.next().await {
             Some(Ok(Piece::Delta { text: t, .. })) => text.push_str(&t),
             Some(Ok(Piece::Done(o))) => {
-                let b = body(&id, &text, pieces.ids(), prompt_len, 0, Some(&o));
+                let mut b = body(&id, &text, pieces.ids(), prompt_len, 0, Some(&o));
+                with_logprobs(&mut b, wanted, pieces.ids(), pieces.logprobs());
                 return Ok(Json(b).into_response());
             }
             Some(Err(e)) => return Err(e),
