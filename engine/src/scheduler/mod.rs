@@ -8,8 +8,9 @@
 //! mostly a cache hit). The oldest request is never preempted for a newer one, and every
 //! admitted request fits the pool alone, so some request always makes progress.
 //!
-//! Host-side only: [`Scheduler::schedule`] returns a [`Step`] (a model [`Batch`]),
-//! [`Scheduler::complete`] takes its logits. Speculative decoding: a decoding request's
+//! Host-side only: [`Scheduler::schedule`] returns a [`Step`] (a model [`Batch`], whose
+//! rows carry how each is sampled on the device), [`Scheduler::complete`] takes its tokens,
+//! or its rows of logits where a sampled draft or log-probabilities need them. Speculative decoding: a decoding request's
 //! slice may end in a draft tree ([`Draft`]); `computed` then advances only by the accepted
 //! tokens whose cache rows are in place (the path `0, 1, 2, ..` of the tree) and the rest,
 //! accepted or not, are rewritten by the next step.
