@@ -75,7 +75,7 @@ fn base64_decode(s: &str) -> Option<Vec<u8>> {
         _ => None,
     };
     let s = s.as_bytes();
-    if s.len() % 4 != 0 {
+    if !s.len().is_multiple_of(4) {
         return None;
     }
     let mut out = Vec::with_capacity(s.len() / 4 * 3);
