@@ -225,9 +225,9 @@ async fn bad_requests_get_the_right_4xx_and_the_server_keeps_serving() {
             400,
         ),
         (
-            "n = 2",
+            "n = 17",
             &chat,
-            json!({"messages": [{"role": "user", "content": "hi"}], "n": 2})
+            json!({"messages": [{"role": "user", "content": "hi"}], "n": 17})
                 .to_string()
                 .into_bytes(),
             key,

@@ -168,6 +168,13 @@ pub async fn generate(
         logprobs: req.return_logprob.then_some(req.top_logprobs_num),
     };
     let p = prepare(&state, prompt, raw, "input_ids").inspect_err(|_| state.rejected())?;
+    if p.n != 1 {
+        state.rejected();
+        return Err(ApiError::invalid(
+            "only sampling_params.n = 1 is supported on /generate (use n on the OpenAI endpoints)",
+            Some("sampling_params.n"),
+        ));
+    }
     let session = session_id(&headers).or(req.session_id);
     let mut pieces = start(&state, &p, session, None)?;
     let (id, prompt_len) = (p.id.to_string(), p.prompt.len());

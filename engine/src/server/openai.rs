@@ -12,7 +12,8 @@ use super::chat_format::{ChatMessage, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, OPENAI};
 use super::run::{
-    prepare, sse, start, Outcome, Piece, Pieces, RawSampling, Stop, MAX_TOP_LOGPROBS, OPENAI_NAMES,
+    prepare, sse_choices, start, Outcome, Piece, Pieces, Prepared, RawSampling, Stop,
+    MAX_TOP_LOGPROBS, OPENAI_NAMES,
 };
 use super::tools::{self, Tools};
 use super::{session_id, unix_time, AppState, SharedState};
@@ -221,7 +222,7 @@ pub async fn completions(
     };
     let p = prepare(&state, prompt, c.sampling(), "prompt").inspect_err(|_| state.rejected())?;
     let prompt_ids = p.prompt.clone();
-    let mut pieces = start(&state, &p, session_id(&headers), None)?;
+    let mut choices = start_choices(&state, &p, session_id(&headers), None)?;
     let (id, created, model) = (
         format!("cmpl-{}", p.id),
         unix_time(),
@@ -231,9 +232,10 @@ pub async fn completions(
     let logprobs_wanted = c.logprobs_wanted().is_some();
     if c.stream {
         let include_usage = c.include_usage();
-        let mut first = true;
-        let (st, mut offset) = (state.clone(), 0);
-        return Ok(sse(pieces, move |piece, _| {
+        let n = choices.len();
+        let (mut first, mut offsets) = (vec![true; n], vec![0; n]);
+        let (st, mut total) = (state.clone(), Total::new(n));
+        return Ok(sse_choices(choices, move |i, piece, _| {
             let chunk = |choice: Value| {
                 json!({"id": id, "object": "text_completion", "created": created,
                        "model": model, "choices": [choice]})
@@ -241,21 +243,21 @@ pub async fn completions(
             match piece {
                 Err(e) => vec![
                     e.body(),
-                    chunk(json!({"index": 0, "text": "", "finish_reason": ABORT})),
+                    chunk(json!({"index": i, "text": "", "finish_reason": ABORT})),
                 ],
                 Ok(Piece::Delta {
                     text,
                     ids,
                     logprobs,
                 }) => {
-                    let mut choice = json!({"index": 0, "text": text, "finish_reason": null});
+                    let mut choice = json!({"index": i, "text": text, "finish_reason": null});
                     if logprobs_wanted {
-                        choice["logprobs"] = completion_logprobs(&st, &ids, &logprobs, offset);
-                        offset += text.len();
+                        choice["logprobs"] = completion_logprobs(&st, &ids, &logprobs, offsets[i]);
+                        offsets[i] += text.len();
                     }
                     if ids_wanted {
                         choice["token_ids"] = json!(ids);
-                        if std::mem::take(&mut first) {
+                        if std::mem::take(&mut first[i]) {
                             choice["prompt_token_ids"] = json!(prompt_ids);
                         }
                     }
@@ -263,12 +265,12 @@ pub async fn completions(
                 }
                 Ok(Piece::Done(o)) => {
                     let choice =
-                        json!({"index": 0, "text": "", "finish_reason": o.reason.as_str()});
+                        json!({"index": i, "text": "", "finish_reason": o.reason.as_str()});
                     let mut out = vec![chunk(choice)];
-                    if include_usage {
+                    if let Some(usage) = total.add(&o).filter(|_| include_usage) {
                         out.push(
                             json!({"id": id, "object": "text_completion", "created": created,
-                            "model": model, "choices": [], "usage": usage_json(&o)}),
+                            "model": model, "choices": [], "usage": usage}),
                         );
                     }
                     out
@@ -276,21 +278,78 @@ pub async fn completions(
             }
         }));
     }
-    let (text, outcome) = collect(&mut pieces).await?;
-    let mut choice = json!({"index": 0, "text": text, "finish_reason": outcome.reason.as_str(),
-                            "logprobs": null});
-    if logprobs_wanted {
-        choice["logprobs"] = completion_logprobs(&state, pieces.ids(), pieces.logprobs(), 0);
-    }
-    if ids_wanted {
-        choice["token_ids"] = json!(pieces.ids());
-        choice["prompt_token_ids"] = json!(prompt_ids);
+    let mut total = Total::new(choices.len());
+    let mut bodies = Vec::new();
+    let ended = collect_all(&mut choices).await?;
+    for (i, (pieces, (text, outcome))) in choices.iter().zip(ended).enumerate() {
+        let mut choice = json!({"index": i, "text": text, "finish_reason": outcome.reason.as_str(),
+                                "logprobs": null});
+        if logprobs_wanted {
+            choice["logprobs"] = completion_logprobs(&state, pieces.ids(), pieces.logprobs(), 0);
+        }
+        if ids_wanted {
+            choice["token_ids"] = json!(pieces.ids());
+            choice["prompt_token_ids"] = json!(prompt_ids);
+        }
+        total.add(&outcome);
+        bodies.push(choice);
     }
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": model,
-        "choices": [choice], "usage": usage_json(&outcome),
+        "choices": bodies, "usage": total.usage(),
     }))
     .into_response())
+}
+
+/// The choices' generations, each started as its own engine request.
+fn start_choices(
+    state: &AppState,
+    p: &Prepared,
+    session: Option<String>,
+    end_of_text: Option<u32>,
+) -> Result<Vec<Pieces>, ApiError> {
+    (p.choices(state).iter())
+        .map(|q| start(state, q, session.clone(), end_of_text))
+        .collect()
+}
+
+/// Every choice's generation run to its end, read concurrently (a choice whose client
+/// reads nothing would pause): each one's text and outcome.
+async fn collect_all(choices: &mut [Pieces]) -> Result<Vec<(String, Outcome)>, ApiError> {
+    futures_util::future::join_all(choices.iter_mut().map(collect))
+        .await
+        .into_iter()
+        .collect()
+}
+
+/// The usage of a request's choices added up (the prompt counted once), complete once
+/// every choice has ended.
+struct Total {
+    left: usize,
+    outcome: Option<Outcome>,
+}
+
+impl Total {
+    fn new(choices: usize) -> Self {
+        Total {
+            left: choices,
+            outcome: None,
+        }
+    }
+
+    /// Adds a choice's outcome; the usage once it was the last.
+    fn add(&mut self, o: &Outcome) -> Option<Value> {
+        self.left -= 1;
+        match &mut self.outcome {
+            None => self.outcome = Some(o.clone()),
+            Some(t) => t.usage.completion_tokens += o.usage.completion_tokens,
+        }
+        (self.left == 0).then(|| self.usage())
+    }
+
+    fn usage(&self) -> Value {
+        usage_json(self.outcome.as_ref().expect("a choice ended"))
+    }
 }
 
 /// Runs a generation to its end: the text and how it ended.
@@ -337,7 +396,7 @@ pub async fn chat(
     let (stops, end_of_text) = reply_ends(&state, tools.as_ref(), stops);
     sampling.stop_token_ids = Some(stops);
     let p = prepare(&state, prompt, sampling, "messages").map_err(refused)?;
-    let pieces = start(&state, &p, session_id(&headers), end_of_text)?;
+    let choices = start_choices(&state, &p, session_id(&headers), end_of_text)?;
     let reply = Reply {
         id: format!("chatcmpl-{}", p.id),
         created: unix_time(),
@@ -349,9 +408,9 @@ pub async fn chat(
         tools,
     };
     if c.stream {
-        return Ok(chat_stream(state, pieces, reply));
+        return Ok(chat_stream(state, choices, reply));
     }
-    chat_whole(&state, pieces, reply).await
+    chat_whole(&state, choices, reply).await
 }
 
 /// What every chunk or body of one chat reply repeats.
@@ -368,30 +427,33 @@ struct Reply {
 }
 
 impl Reply {
-    fn chunk(&self, delta: Value, finish: Option<&str>) -> Value {
+    /// A chunk of choice `i`.
+    fn chunk(&self, i: usize, delta: Value, finish: Option<&str>) -> Value {
         json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-               "model": self.model, "choices": [{"index": 0, "delta": delta,
+               "model": self.model, "choices": [{"index": i, "delta": delta,
                "finish_reason": finish}]})
     }
 }
 
-/// The chat reply as SSE chunks: content deltas (none once a tool-call section starts),
-/// then the tool calls, the finish reason and, if asked, the usage.
-fn chat_stream(state: SharedState, pieces: Pieces, reply: Reply) -> Response {
-    let mut first = true;
-    sse(pieces, move |piece, all_ids| {
+/// The chat reply as SSE chunks, each choice's as its pieces arrive: content deltas (none
+/// once a tool-call section starts), then the tool calls and the finish reason; and, if
+/// asked, the usage once every choice has ended.
+fn chat_stream(state: SharedState, choices: Vec<Pieces>, reply: Reply) -> Response {
+    let mut first = vec![true; choices.len()];
+    let mut total = Total::new(choices.len());
+    sse_choices(choices, move |i, piece, all_ids| {
         let mut out = Vec::new();
-        if std::mem::take(&mut first) {
+        if std::mem::take(&mut first[i]) {
             let mut delta = json!({"role": "assistant", "content": ""});
             if reply.ids_wanted {
                 delta["prompt_token_ids"] = json!(reply.prompt_ids);
             }
-            out.push(reply.chunk(delta, None));
+            out.push(reply.chunk(i, delta, None));
         }
         match piece {
             Err(e) => {
                 out.push(e.body());
-                out.push(reply.chunk(json!({}), Some(ABORT)));
+                out.push(reply.chunk(i, json!({}), Some(ABORT)));
             }
             Ok(Piece::Delta {
                 text,
@@ -402,7 +464,7 @@ fn chat_stream(state: SharedState, pieces: Pieces, reply: Reply) -> Response {
                 if reply.ids_wanted {
                     delta["token_ids"] = json!(ids);
                 }
-                let mut chunk = reply.chunk(delta, None);
+                let mut chunk = reply.chunk(i, delta, None);
                 if reply.logprobs_wanted {
                     chunk["choices"][0]["logprobs"] = chat_logprobs(&state, &ids, &logprobs);
                 }
@@ -414,20 +476,20 @@ fn chat_stream(state: SharedState, pieces: Pieces, reply: Reply) -> Response {
                     o.reason.as_str()
                 } else {
                     let indexed: Vec<Value> = (calls.iter().enumerate())
-                        .map(|(i, c)| {
+                        .map(|(k, c)| {
                             let mut v = json!(c);
-                            v["index"] = json!(i);
+                            v["index"] = json!(k);
                             v
                         })
                         .collect();
-                    out.push(reply.chunk(json!({"tool_calls": indexed}), None));
+                    out.push(reply.chunk(i, json!({"tool_calls": indexed}), None));
                     "tool_calls"
                 };
-                out.push(reply.chunk(json!({}), Some(finish)));
-                if reply.include_usage {
+                out.push(reply.chunk(i, json!({}), Some(finish)));
+                if let Some(usage) = total.add(&o).filter(|_| reply.include_usage) {
                     out.push(json!({"id": reply.id, "object": "chat.completion.chunk",
                         "created": reply.created, "model": reply.model, "choices": [],
-                        "usage": usage_json(&o)}));
+                        "usage": usage}));
                 }
             }
         }
@@ -435,32 +497,38 @@ fn chat_stream(state: SharedState, pieces: Pieces, reply: Reply) -> Response {
     })
 }
 
-/// The chat reply as one body, once the generation ends.
+/// The chat reply as one body, once every choice's generation ends.
 async fn chat_whole(
     state: &AppState,
-    mut pieces: Pieces,
+    mut choices: Vec<Pieces>,
     reply: Reply,
 ) -> Result<Response, ApiError> {
-    let (text, outcome) = collect(&mut pieces).await?;
-    let calls = tool_calls(state, reply.tools.as_ref(), pieces.ids());
-    let mut message = json!({"role": "assistant", "content": text});
-    let finish = if calls.is_empty() || outcome.reason == FinishReason::Length {
-        outcome.reason.as_str()
-    } else {
-        message["tool_calls"] = json!(calls);
-        "tool_calls"
-    };
-    let mut choice = json!({"index": 0, "message": message, "finish_reason": finish,
-                            "logprobs": null});
-    if reply.logprobs_wanted {
-        choice["logprobs"] = chat_logprobs(state, pieces.ids(), pieces.logprobs());
-    }
-    if reply.ids_wanted {
-        choice["token_ids"] = json!(pieces.ids());
+    let ended = collect_all(&mut choices).await?;
+    let mut total = Total::new(choices.len());
+    let mut bodies = Vec::new();
+    for (i, (pieces, (text, outcome))) in choices.iter().zip(ended).enumerate() {
+        let calls = tool_calls(state, reply.tools.as_ref(), pieces.ids());
+        let mut message = json!({"role": "assistant", "content": text});
+        let finish = if calls.is_empty() || outcome.reason == FinishReason::Length {
+            outcome.reason.as_str()
+        } else {
+            message["tool_calls"] = json!(calls);
+            "tool_calls"
+        };
+        let mut choice = json!({"index": i, "message": message, "finish_reason": finish,
+                                "logprobs": null});
+        if reply.logprobs_wanted {
+            choice["logprobs"] = chat_logprobs(state, pieces.ids(), pieces.logprobs());
+        }
+        if reply.ids_wanted {
+            choice["token_ids"] = json!(pieces.ids());
+        }
+        total.add(&outcome);
+        bodies.push(choice);
     }
     let mut body = json!({
         "id": reply.id, "object": "chat.completion", "created": reply.created,
-        "model": reply.model, "choices": [choice], "usage": usage_json(&outcome),
+        "model": reply.model, "choices": bodies, "usage": total.usage(),
     });
     if reply.ids_wanted {
         body["prompt_token_ids"] = json!(reply.prompt_ids);

@@ -89,11 +89,37 @@ pub struct RawSampling {
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// A request ready for the engine.
+#[derive(Clone)]
 pub struct Prepared {
     pub id: u64,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     pub stops: Vec<String>,
+    /// Completions asked for (`n`): choice `i` is its own engine request, seeded
+    /// `seed + i` ([`Prepared::choices`]).
+    pub n: usize,
+}
+
+/// Most completions one request may ask for (`n`).
+pub const MAX_CHOICES: usize = 16;
+
+impl Prepared {
+    /// The `n` engine requests of the choices: this one, then copies with new ids and
+    /// the following seeds (each is drawn independently; the prompt's KV is shared
+    /// through the prefix cache once one of them has computed it).
+    pub fn choices(&self, state: &AppState) -> Vec<Prepared> {
+        (0..self.n)
+            .map(|i| match i {
+                0 => self.clone(),
+                _ => {
+                    let mut p = self.clone();
+                    p.id = state.engine.next_id();
+                    p.params.seed = self.params.seed.wrapping_add(i as u64);
+                    p
+                }
+            })
+            .collect()
+    }
 }
 
 /// Checks sampling fields and the prompt (named `prompt_field` in errors); picks defaults.
@@ -105,12 +131,15 @@ pub fn prepare(
 ) -> Result<Prepared, ApiError> {
     let info = &state.engine.info;
     let names = raw.names;
-    if raw.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid(
-            format!("only {} = 1 is supported", names.n),
-            Some(names.n),
-        ));
-    }
+    let n = match raw.n.unwrap_or(1) {
+        n if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
+        n => {
+            return Err(ApiError::invalid(
+                format!("{} must be in 1..={MAX_CHOICES}, got {n}", names.n),
+                Some(names.n),
+            ))
+        }
+    };
     let room = info
         .context_len
         .min(info.kv_pages * info.page_size)
@@ -177,6 +206,7 @@ pub fn prepare(
             logprobs: raw.logprobs,
         },
         stops: raw.stop.map(Stop::into_vec).unwrap_or_default(),
+        n,
     })
 }
 
@@ -298,6 +328,11 @@ impl Pieces {
     /// All ids generated so far.
     pub fn ids(&self) -> &[u32] {
         self.detok.ids()
+    }
+
+    /// Whether every piece has been taken.
+    fn ended(&self) -> bool {
+        self.done && self.ready.is_empty()
     }
 
     /// Their log-probabilities, when the request asked for them.
@@ -423,10 +458,19 @@ pub fn sse<F>(pieces: Pieces, mut render: F) -> axum::response::Response
 where
     F: FnMut(Result<Piece, ApiError>, &[u32]) -> Vec<serde_json::Value> + Send + 'static,
 {
+    sse_choices(vec![pieces], move |_, piece, ids| render(piece, ids))
+}
+
+/// [`sse`] over several choices' generations at once: `render` gets each piece with its
+/// choice's index, as pieces arrive.
+pub fn sse_choices<F>(pieces: Vec<Pieces>, mut render: F) -> axum::response::Response
+where
+    F: FnMut(usize, Result<Piece, ApiError>, &[u32]) -> Vec<serde_json::Value> + Send + 'static,
+{
     use axum::response::sse::Event as SseEvent;
     let done = SseEvent::default().data("[DONE]");
-    event_stream(pieces, Some(done), move |piece, ids| {
-        (render(piece, ids).iter())
+    event_stream(pieces, Some(done), move |i, piece, ids| {
+        (render(i, piece, ids).iter())
             .map(|c| SseEvent::default().data(c.to_string()))
             .collect()
     })
@@ -441,21 +485,43 @@ where
         + 'static,
 {
     use axum::response::sse::Event as SseEvent;
-    event_stream(pieces, None, move |piece, ids| {
+    event_stream(vec![pieces], None, move |_, piece, ids| {
         (render(piece, ids).iter())
             .map(|(name, c)| SseEvent::default().event(*name).data(c.to_string()))
             .collect()
     })
 }
 
-/// The events `render` makes of each piece, then `last`.
+/// The next piece of any choice still generating, with the choice's index; `None` once all
+/// have ended. (`Pieces::next` keeps its state in the `Pieces`, so the futures of the
+/// choices that lose the race are dropped without losing anything.)
+async fn next_piece(pieces: &mut [Pieces]) -> Option<(usize, Result<Piece, ApiError>)> {
+    loop {
+        let live: Vec<_> = (pieces.iter_mut().enumerate())
+            .filter(|(_, p)| !p.ended())
+            .map(|(i, p)| Box::pin(async move { (i, p.next().await) }))
+            .collect();
+        if live.is_empty() {
+            return None;
+        }
+        match futures_util::future::select_all(live).await.0 {
+            (i, Some(piece)) => return Some((i, piece)),
+            (_, None) => continue,
+        }
+    }
+}
+
+/// The events `render` makes of each piece of each choice (by index, as they arrive),
+/// then `last`.
 fn event_stream<F>(
-    pieces: Pieces,
+    pieces: Vec<Pieces>,
     last: Option<axum::response::sse::Event>,
     render: F,
 ) -> axum::response::Response
 where
-    F: FnMut(Result<Piece, ApiError>, &[u32]) -> Vec<axum::response::sse::Event> + Send + 'static,
+    F: FnMut(usize, Result<Piece, ApiError>, &[u32]) -> Vec<axum::response::sse::Event>
+        + Send
+        + 'static,
 {
     use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
     use axum::response::IntoResponse;
@@ -471,9 +537,9 @@ where
                 if end {
                     return None;
                 }
-                match pieces.next().await {
-                    Some(piece) => {
-                        let events = render(piece, pieces.ids());
+                match next_piece(&mut pieces).await {
+                    Some((i, piece)) => {
+                        let events = render(i, piece, pieces[i].ids());
                         out.extend(events);
                     }
                     None => {

@@ -1,5 +1,6 @@
-//! Log-probabilities over HTTP, read by OpenAI's own Python client: chat (whole and
-//! streamed) and completions, against the server's greedy choice; bad values refused.
+//! Sampling over HTTP, read by OpenAI's own Python client: log-probabilities of chat (whole
+//! and streamed), completions and `/generate` against the server's greedy choice; `n`
+//! choices, each drawn as a lone request with the next seed; bad values refused.
 mod common;
 
 use common::server::Server;
@@ -84,6 +85,41 @@ async fn generate_returns_sglang_logprob_triples() {
         plain["meta_info"].get("output_token_logprobs").is_none(),
         "{plain}"
     );
+}
+
+/// `n` choices: choice `i` is what a lone request seeded `seed + i` draws (sampling is keyed
+/// by seed and position, not the batch), whole and streamed, chat and completions.
+#[test]
+fn n_choices_are_the_draws_of_the_following_seeds() {
+    let server = Server::start(&[]);
+    let script = r#"
+import sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
+ask = dict(model="kiln-tiny-random", messages=[{"role": "user", "content": "Name a cache."}],
+           max_tokens=8, temperature=1.0, top_p=0.95)
+r = c.chat.completions.create(n=3, seed=5, **ask)
+assert [ch.index for ch in r.choices] == [0, 1, 2], r
+texts = [ch.message.content for ch in r.choices]
+for i in range(3):
+    alone = c.chat.completions.create(seed=5 + i, **ask)
+    assert alone.choices[0].message.content == texts[i], (i, texts, alone)
+assert r.usage.prompt_tokens == alone.usage.prompt_tokens
+assert r.usage.completion_tokens >= 3
+parts = ["", "", ""]
+for ch in c.chat.completions.create(n=3, seed=5, stream=True, **ask):
+    for choice in ch.choices:
+        parts[choice.index] += choice.delta.content or ""
+assert parts == texts, (parts, texts)
+comp = dict(model="kiln-tiny-random", prompt="Name a cache.", max_tokens=6, temperature=1.0)
+whole = [ch.text for ch in c.completions.create(n=2, seed=9, **comp).choices]
+streamed = ["", ""]
+for ch in c.completions.create(n=2, seed=9, stream=True, **comp):
+    for choice in ch.choices:
+        streamed[choice.index] += choice.text
+assert streamed == whole and whole[1] == c.completions.create(seed=10, **comp).choices[0].text
+print("ok", texts)
+"#;
+    run_python_client(script, &server.url, "openai", "openai==3.63.0");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
