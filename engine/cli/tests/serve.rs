@@ -598,3 +598,40 @@ async fn later_turns_hit_the_host_tier_and_answer_as_a_pool_that_holds_everythin
     assert!(tiered.metric("kiln_kv_bytes_to_device_total") > 0.0);
     assert!(tiered.metric("kiln_kv_host_pages") > 0.0);
 }
+
+/// Streamed tool calls arrive as they generate (a header with the call's id and name, then
+/// argument fragments) and add up to the calls of the same reply unstreamed: kiln-coder,
+/// asked what a function in a file does with `read_file` on offer, reads the file first
+/// (as it was trained to); read by OpenAI's Python client.
+#[test]
+fn streamed_tool_calls_add_up_to_the_whole_replys_calls() {
+    let server = Server::start(&["--model", "kiln-coder"]);
+    let script = r#"
+import sys, json, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
+ask = dict(model="kiln-coder", max_tokens=48, temperature=0, messages=[
+    {"role": "system", "content": "You are a coding agent. Read files before you answer."},
+    {"role": "user", "content": "What does `dumps` in `json/__init__.py` do?"}],
+    tools=[{"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}])
+whole = c.chat.completions.create(**ask).choices[0]
+assert whole.finish_reason == "tool_calls" and whole.message.tool_calls, whole
+calls, chunks_with_calls, finish = {}, 0, None
+for ch in c.chat.completions.create(stream=True, **ask):
+    for choice in ch.choices:
+        finish = choice.finish_reason or finish
+        for d in choice.delta.tool_calls or []:
+            chunks_with_calls += 1
+            call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            if d.id:
+                call["id"], call["name"] = d.id, d.function.name
+            call["arguments"] += d.function.arguments or ""
+assert finish == "tool_calls", finish
+want = [{"id": t.id, "name": t.function.name, "arguments": t.function.arguments} for t in whole.message.tool_calls]
+assert [calls[i] for i in sorted(calls)] == want, (calls, want)
+assert chunks_with_calls > len(want), "arguments come in pieces"
+json.loads(want[0]["arguments"])
+print("ok", want)
+"#;
+    common::run_python_client(script, &server.url, "openai", "openai==3.63.0");
+}

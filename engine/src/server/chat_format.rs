@@ -200,6 +200,16 @@ impl KimiFormat {
         self.section_begin
     }
 
+    /// The tool-call markers: section begin, call begin, argument begin, call end.
+    pub fn call_markers(&self) -> [u32; 4] {
+        [
+            self.section_begin,
+            self.call_begin,
+            self.argument_begin,
+            self.call_end,
+        ]
+    }
+
     /// `<|im_end|>`: the end of a turn, so the end of a chat reply.
     pub fn turn_end(&self) -> u32 {
         self.end
@@ -243,7 +253,7 @@ impl KimiFormat {
 }
 
 /// `NAME` of a Kimi call id `functions.NAME:IDX`.
-fn function_name(id: &str) -> String {
+pub fn function_name(id: &str) -> String {
     let name = id.strip_prefix("functions.").unwrap_or(id);
     match name.rsplit_once(':') {
         Some((n, idx)) if idx.chars().all(|c| c.is_ascii_digit()) => n.to_string(),

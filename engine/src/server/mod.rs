@@ -11,6 +11,7 @@
 //! `/health` and new requests get 503, requests in flight finish or, past the deadline,
 //! end with an error event.
 mod anthropic;
+mod call_stream;
 mod chat_format;
 mod detok;
 mod error;

@@ -8,6 +8,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::call_stream::CallStream;
 use super::chat_format::{ChatMessage, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, OPENAI};
@@ -436,12 +437,14 @@ impl Reply {
 }
 
 /// The chat reply as SSE chunks, each choice's as its pieces arrive: content deltas (none
-/// once a tool-call section starts), then the tool calls and the finish reason; and, if
-/// asked, the usage once every choice has ended.
+/// once a tool-call section starts), tool calls as they generate ([`CallStream`]: a call's
+/// header once its id is complete, then its arguments), the finish reason; and, if asked,
+/// the usage once every choice has ended.
 fn chat_stream(state: SharedState, choices: Vec<Pieces>, reply: Reply) -> Response {
     let mut first = vec![true; choices.len()];
+    let mut calls: Vec<CallStream> = choices.iter().map(|_| CallStream::default()).collect();
     let mut total = Total::new(choices.len());
-    sse_choices(choices, move |i, piece, all_ids| {
+    sse_choices(choices, move |i, piece, _| {
         let mut out = Vec::new();
         if std::mem::take(&mut first[i]) {
             let mut delta = json!({"role": "assistant", "content": ""});
@@ -469,20 +472,19 @@ fn chat_stream(state: SharedState, choices: Vec<Pieces>, reply: Reply) -> Respon
                     chunk["choices"][0]["logprobs"] = chat_logprobs(&state, &ids, &logprobs);
                 }
                 out.push(chunk);
+                if let (Some(fmt), Some(tools)) = (state.chat.as_ref(), reply.tools.as_ref()) {
+                    let entries: Vec<Value> = (ids.iter())
+                        .flat_map(|&t| calls[i].push(fmt, &state.codec, tools, t))
+                        .collect();
+                    if !entries.is_empty() {
+                        out.push(reply.chunk(i, json!({"tool_calls": entries}), None));
+                    }
+                }
             }
             Ok(Piece::Done(o)) => {
-                let calls = tool_calls(&state, reply.tools.as_ref(), all_ids);
-                let finish = if calls.is_empty() || o.reason == FinishReason::Length {
+                let finish = if calls[i].streamed == 0 || o.reason == FinishReason::Length {
                     o.reason.as_str()
                 } else {
-                    let indexed: Vec<Value> = (calls.iter().enumerate())
-                        .map(|(k, c)| {
-                            let mut v = json!(c);
-                            v["index"] = json!(k);
-                            v
-                        })
-                        .collect();
-                    out.push(reply.chunk(i, json!({"tool_calls": indexed}), None));
                     "tool_calls"
                 };
                 out.push(reply.chunk(i, json!({}), Some(finish)));

@@ -135,16 +135,26 @@ impl Tools {
     /// The calls of declared tools among `calls`, ids in Kimi's `functions.NAME:IDX` form
     /// (a malformed id is rebuilt from the name and the call's place).
     pub fn accept(&self, calls: Vec<ToolCall>) -> Vec<ToolCall> {
-        let mut kept: Vec<ToolCall> = calls
-            .into_iter()
-            .filter(|c| self.names.contains(&c.function.name))
-            .collect();
-        for (i, c) in kept.iter_mut().enumerate() {
-            if !kimi_id(&c.id, &c.function.name) {
-                c.id = format!("functions.{}:{i}", c.function.name);
+        let mut kept = Vec::new();
+        for mut c in calls {
+            if let Some(id) = self.accept_one(&c.id, &c.function.name, kept.len()) {
+                c.id = id;
+                kept.push(c);
             }
         }
         kept
+    }
+
+    /// The id a call of `name` with id `id` is reported under as the `index`-th kept
+    /// call, or `None` if `name` was not declared.
+    pub fn accept_one(&self, id: &str, name: &str, index: usize) -> Option<String> {
+        if !self.names.contains(name) {
+            return None;
+        }
+        Some(match kimi_id(id, name) {
+            true => id.to_string(),
+            false => format!("functions.{name}:{index}"),
+        })
     }
 }
 
