@@ -242,3 +242,36 @@ print("ok", len(text))
 "#;
     run_python_client(script, &server.url, "anthropic", "anthropic==2.17.0");
 }
+
+/// A streamed `tool_use` block starts once the call's id is generated and its input
+/// arrives as `input_json_delta` fragments that add up to the unstreamed reply's input:
+/// kiln-coder asked what a function in a file does reads the file first (as trained);
+/// read by Anthropic's Python client.
+#[test]
+fn streamed_tool_use_adds_up_to_the_whole_replys_input() {
+    let server = Server::start(&["--model", "kiln-coder"]);
+    let script = r#"
+import sys, anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="unused", max_retries=0)
+ask = dict(model="kiln-coder", max_tokens=48, extra_body={"temperature": 0},
+           system="You are a coding agent. Read files before you answer.",
+           messages=[{"role": "user", "content": "What does `dumps` in `json/__init__.py` do?"}],
+           tools=[{"name": "read_file", "description": "Read a file of the repository.",
+                   "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                                    "required": ["path"]}}])
+m = c.messages.create(**ask)
+uses = [b for b in m.content if b.type == "tool_use"]
+assert m.stop_reason == "tool_use" and uses, m
+fragments = 0
+with c.messages.stream(**ask) as s:
+    for e in s:
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta":
+            fragments += 1
+    final = s.get_final_message()
+streamed = [b for b in final.content if b.type == "tool_use"]
+assert [(b.id, b.name, b.input) for b in streamed] == [(b.id, b.name, b.input) for b in uses], (streamed, uses)
+assert final.stop_reason == "tool_use" and fragments > len(uses), (final.stop_reason, fragments)
+print("ok", uses[0].input)
+"#;
+    run_python_client(script, &server.url, "anthropic", "anthropic==2.17.0");
+}

@@ -14,6 +14,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::call_stream::CallStream;
 use super::chat_format::{ChatMessage, Content, FunctionCall, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, PENALTIES};
@@ -363,10 +364,14 @@ fn usage(o: &Outcome) -> Value {
 }
 
 /// The reply as Anthropic's events: `message_start`, a text block's start, deltas and
-/// stop, then a `tool_use` block per call (its input as one `input_json_delta`),
-/// `message_delta` with the stop reason and usage, `message_stop`.
+/// stop, then a `tool_use` block per call as it generates (its start once the call's id is
+/// complete, its input as `input_json_delta` fragments, [`CallStream`]), `message_delta`
+/// with the stop reason and usage, `message_stop`.
 fn stream(state: SharedState, pieces: super::run::Pieces, reply: Reply) -> Response {
     let mut started = false;
+    let mut calls = CallStream::default();
+    // The content block open now (0: the text).
+    let mut open = None;
     named_sse(pieces, move |piece, ids| {
         let mut out = Vec::new();
         if !started {
@@ -383,7 +388,14 @@ fn stream(state: SharedState, pieces: super::run::Pieces, reply: Reply) -> Respo
                 json!({"type": "content_block_start",
                 "index": 0, "content_block": {"type": "text", "text": ""}}),
             ));
+            open = Some(0);
         }
+        let stop = |index: usize| {
+            (
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": index}),
+            )
+        };
         match piece {
             // The stream ends at an error event, as Anthropic's do.
             Err(e) => out.push((
@@ -391,41 +403,45 @@ fn stream(state: SharedState, pieces: super::run::Pieces, reply: Reply) -> Respo
                 json!({"type": "error", "error": {
                 "type": "api_error", "message": e.body()["error"]["message"]}}),
             )),
-            Ok(Piece::Delta { text, .. }) if text.is_empty() => {}
-            Ok(Piece::Delta { text, .. }) => {
-                out.push((
-                    "content_block_delta",
-                    json!({"type": "content_block_delta",
-                    "index": 0, "delta": {"type": "text_delta", "text": text}}),
-                ));
-            }
-            Ok(Piece::Done(o)) => {
-                out.push((
-                    "content_block_stop",
-                    json!({"type": "content_block_stop", "index": 0}),
-                ));
-                let calls = tool_calls(&state, reply.tools.as_ref(), ids);
-                for (i, call) in calls.iter().enumerate() {
-                    let block = tool_use(call);
-                    out.push((
-                        "content_block_start",
-                        json!({"type": "content_block_start",
-                        "index": i + 1, "content_block": {"type": "tool_use", "id": block["id"],
-                        "name": block["name"], "input": {}}}),
-                    ));
+            Ok(Piece::Delta { text, ids: new, .. }) => {
+                if !text.is_empty() {
                     out.push((
                         "content_block_delta",
                         json!({"type": "content_block_delta",
-                        "index": i + 1, "delta": {"type": "input_json_delta",
-                        "partial_json": block["input"].to_string()}}),
-                    ));
-                    out.push((
-                        "content_block_stop",
-                        json!({"type": "content_block_stop",
-                        "index": i + 1}),
+                        "index": 0, "delta": {"type": "text_delta", "text": text}}),
                     ));
                 }
-                let (reason, sequence) = stop_reason(&o, &calls);
+                let (Some(fmt), Some(tools)) = (state.chat.as_ref(), reply.tools.as_ref()) else {
+                    return out;
+                };
+                for entry in new
+                    .iter()
+                    .flat_map(|&t| calls.push(fmt, &state.codec, tools, t))
+                {
+                    let index = entry["index"].as_u64().unwrap_or(0) as usize + 1;
+                    let function = &entry["function"];
+                    if entry.get("id").is_some() {
+                        out.extend(open.replace(index).map(stop));
+                        out.push((
+                            "content_block_start",
+                            json!({"type": "content_block_start", "index": index,
+                            "content_block": {"type": "tool_use", "id": entry["id"],
+                            "name": function["name"], "input": {}}}),
+                        ));
+                    } else {
+                        out.push((
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": index,
+                            "delta": {"type": "input_json_delta",
+                            "partial_json": function["arguments"]}}),
+                        ));
+                    }
+                }
+            }
+            Ok(Piece::Done(o)) => {
+                out.extend(open.take().map(stop));
+                let (reason, sequence) =
+                    stop_reason(&o, &tool_calls(&state, reply.tools.as_ref(), ids));
                 out.push((
                     "message_delta",
                     json!({"type": "message_delta",
