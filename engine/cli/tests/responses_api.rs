@@ -218,3 +218,35 @@ print("ok", len(text))
 "#;
     run_python_client(script, &server.url, "openai", "openai==3.63.0");
 }
+
+/// A streamed function call is added as an output item once its id is generated, its
+/// arguments arrive as deltas, and it adds up to the unstreamed response's call: kiln-coder
+/// asked what a function in a file does reads the file first (as trained); read by OpenAI's
+/// Python client.
+#[test]
+fn streamed_function_calls_add_up_to_the_whole_responses_calls() {
+    let server = Server::start(&["--model", "kiln-coder"]);
+    let script = r#"
+import sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
+ask = dict(model="kiln-coder", max_output_tokens=48, temperature=0,
+           instructions="You are a coding agent. Read files before you answer.",
+           input="What does `dumps` in `json/__init__.py` do?",
+           tools=[{"type": "function", "name": "read_file", "description": "Read a file of the repository.",
+                   "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}])
+r = c.responses.create(**ask)
+calls = [(i.call_id, i.name, i.arguments) for i in r.output if i.type == "function_call"]
+assert calls, r.output
+events = list(c.responses.create(stream=True, **ask))
+deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+assert [(i.call_id, i.name, i.arguments) for i in done] == calls, (done, calls)
+assert [i.call_id for i in added] == [c[0] for c in calls] and all(i.arguments == "" for i in added)
+assert "".join(d.delta for d in deltas) == "".join(c[2] for c in calls) and len(deltas) > len(calls)
+final = events[-1].response
+assert [(i.call_id, i.name, i.arguments) for i in final.output if i.type == "function_call"] == calls
+print("ok", calls)
+"#;
+    run_python_client(script, &server.url, "openai", "openai==3.63.0");
+}

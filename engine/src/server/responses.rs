@@ -13,6 +13,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::call_stream::CallStream;
 use super::chat_format::{ChatMessage, Content, FunctionCall, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, PENALTIES};
@@ -370,7 +371,9 @@ fn call_item(id: &str, call: &ToolCall) -> Value {
 }
 
 /// The response as the API's events: created, the message item with its text part and
-/// deltas, a function-call item per call, then completed (or incomplete).
+/// deltas (closed when the text ends), a function-call item per call as it generates (added
+/// once the call's id is complete, its arguments as deltas, [`CallStream`]), then completed
+/// (or incomplete).
 fn stream(
     state: SharedState,
     pieces: super::run::Pieces,
@@ -380,6 +383,10 @@ fn stream(
     let mut seq = 0u64;
     let mut text = String::new();
     let mut started = false;
+    let mut message_open = true;
+    let mut calls = CallStream::default();
+    // The call item being streamed: its item (arguments so far) and output index.
+    let mut open_call: Option<(Value, usize)> = None;
     named_sse(pieces, move |piece, ids| {
         let mut out: Vec<(&'static str, Value)> = Vec::new();
         let mut emit = |name: &'static str, mut v: Value| {
@@ -411,22 +418,9 @@ fn stream(
                 "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}),
             );
         }
-        match piece {
-            Err(e) => emit(
-                "error",
-                json!({"code": "engine_error",
-                "message": e.body()["error"]["message"], "param": null}),
-            ),
-            Ok(Piece::Delta { text: t, .. }) if t.is_empty() => {}
-            Ok(Piece::Delta { text: t, .. }) => {
-                text.push_str(&t);
-                emit(
-                    "response.output_text.delta",
-                    json!({"item_id": msg_id, "output_index": 0,
-                    "content_index": 0, "delta": t}),
-                );
-            }
-            Ok(Piece::Done(o)) => {
+        // The message item ends where the text does: before the first call, or at the end.
+        let mut close_message = |emit: &mut dyn FnMut(&'static str, Value), text: &str| {
+            if std::mem::take(&mut message_open) {
                 emit(
                     "response.output_text.done",
                     json!({"item_id": msg_id, "output_index": 0,
@@ -437,37 +431,84 @@ fn stream(
                     json!({"item_id": msg_id, "output_index": 0,
                     "content_index": 0, "part": {"type": "output_text", "text": text, "annotations": []}}),
                 );
-                let message = message_item(&head.id, &text);
                 emit(
                     "response.output_item.done",
-                    json!({"output_index": 0, "item": message}),
+                    json!({"output_index": 0, "item": message_item(&head.id, text)}),
                 );
-                let mut output = vec![message];
-                for (i, call) in tool_calls(&state, tools.as_ref(), ids).iter().enumerate() {
-                    let item = call_item(&head.id, call);
-                    let mut added = item.clone();
-                    added["arguments"] = json!("");
-                    added["status"] = json!("in_progress");
+            }
+        };
+        let close_call = |emit: &mut dyn FnMut(&'static str, Value),
+                          call: Option<(Value, usize)>| {
+            if let Some((mut item, index)) = call {
+                item["status"] = json!("completed");
+                emit(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": item["id"], "output_index": index,
+                    "arguments": item["arguments"]}),
+                );
+                emit(
+                    "response.output_item.done",
+                    json!({"output_index": index, "item": item}),
+                );
+            }
+        };
+        match piece {
+            Err(e) => emit(
+                "error",
+                json!({"code": "engine_error",
+                "message": e.body()["error"]["message"], "param": null}),
+            ),
+            Ok(Piece::Delta {
+                text: t, ids: new, ..
+            }) => {
+                if !t.is_empty() {
+                    text.push_str(&t);
                     emit(
-                        "response.output_item.added",
-                        json!({"output_index": i + 1, "item": added}),
+                        "response.output_text.delta",
+                        json!({"item_id": msg_id, "output_index": 0,
+                        "content_index": 0, "delta": t}),
                     );
-                    emit(
-                        "response.function_call_arguments.delta",
-                        json!({"item_id": item["id"],
-                        "output_index": i + 1, "delta": call.function.arguments}),
-                    );
-                    emit(
-                        "response.function_call_arguments.done",
-                        json!({"item_id": item["id"],
-                        "output_index": i + 1, "arguments": call.function.arguments}),
-                    );
-                    emit(
-                        "response.output_item.done",
-                        json!({"output_index": i + 1, "item": item}),
-                    );
-                    output.push(item);
                 }
+                let (Some(fmt), Some(tools)) = (state.chat.as_ref(), tools.as_ref()) else {
+                    return out;
+                };
+                for entry in new
+                    .iter()
+                    .flat_map(|&t| calls.push(fmt, &state.codec, tools, t))
+                {
+                    let index = entry["index"].as_u64().unwrap_or(0) as usize + 1;
+                    let function = &entry["function"];
+                    if entry.get("id").is_some() {
+                        close_message(&mut emit, &text);
+                        close_call(&mut emit, open_call.take());
+                        let call_id = entry["id"].as_str().unwrap_or_default();
+                        let item = json!({"type": "function_call",
+                            "id": format!("fc_{}_{call_id}", head.id), "status": "in_progress",
+                            "call_id": call_id, "name": function["name"], "arguments": ""});
+                        emit(
+                            "response.output_item.added",
+                            json!({"output_index": index, "item": item}),
+                        );
+                        open_call = Some((item, index));
+                    } else if let Some((item, _)) = open_call.as_mut() {
+                        let more = function["arguments"].as_str().unwrap_or_default();
+                        let so_far = item["arguments"].as_str().unwrap_or_default().to_string();
+                        item["arguments"] = json!(so_far + more);
+                        emit(
+                            "response.function_call_arguments.delta",
+                            json!({"item_id": item["id"], "output_index": index, "delta": more}),
+                        );
+                    }
+                }
+            }
+            Ok(Piece::Done(o)) => {
+                close_message(&mut emit, &text);
+                close_call(&mut emit, open_call.take());
+                let mut output = vec![message_item(&head.id, &text)];
+                output.extend(
+                    (tool_calls(&state, tools.as_ref(), ids).iter())
+                        .map(|c| call_item(&head.id, c)),
+                );
                 let done = match o.reason {
                     FinishReason::Length => "response.incomplete",
                     _ => "response.completed",
