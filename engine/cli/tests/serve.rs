@@ -635,3 +635,45 @@ print("ok", want)
 "#;
     common::run_python_client(script, &server.url, "openai", "openai==3.63.0");
 }
+
+/// `tool_choice` naming a function forces that call even where the model would answer in
+/// text: kiln-coder asked for a function (it answers with code unforced) is made to call
+/// `read_file`, with no text (its arguments are its own: this small model's may not end);
+/// asked about a file, the forced call adds up streamed as whole. OpenAI's Python client.
+#[test]
+fn a_named_tool_choice_forces_the_call() {
+    let server = Server::start(&["--model", "kiln-coder"]);
+    let script = r#"
+import sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
+tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository.",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+force = {"type": "function", "function": {"name": "read_file"}}
+def ask(content, **more):
+    return dict(model="kiln-coder", max_tokens=40, temperature=0, tools=tools,
+                messages=[{"role": "user", "content": content}], **more)
+def streamed(a):
+    calls, text = {}, ""
+    for ch in c.chat.completions.create(stream=True, **a):
+        for choice in ch.choices:
+            text += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                call["arguments"] += d.function.arguments or ""
+    return text, [calls[i] for i in sorted(calls)]
+reverse = "Write a Python function that reverses a list."
+free = c.chat.completions.create(**ask(reverse)).choices[0]
+assert free.finish_reason != "tool_calls" and "def " in free.message.content, free
+text, calls = streamed(ask(reverse, tool_choice=force))
+assert text == "" and calls and calls[0]["id"] == "functions.read_file:0", (text, calls)
+assert calls[0]["name"] == "read_file" and calls[0]["arguments"].startswith("{"), calls
+about = ask("What does `dumps` in `json/__init__.py` do?", tool_choice=force)
+about["messages"].insert(0, {"role": "system", "content": "You are a coding agent. Read files before you answer."})
+whole = c.chat.completions.create(**about).choices[0]
+want = [{"id": t.id, "name": t.function.name, "arguments": t.function.arguments} for t in whole.message.tool_calls]
+assert whole.finish_reason == "tool_calls" and want[0]["name"] == "read_file", whole
+assert streamed(about) == ("", want)
+print("ok", want)
+"#;
+    common::run_python_client(script, &server.url, "openai", "openai==3.63.0");
+}

@@ -18,7 +18,7 @@ use super::call_stream::CallStream;
 use super::chat_format::{ChatMessage, Content, FunctionCall, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, PENALTIES};
-use super::openai::{chat_prompt, collect, reply_ends, tool_calls};
+use super::openai::{chat_prompt, collect, forced_pieces, forced_prefix, reply_ends, tool_calls};
 use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames, Stop};
 use super::tools::{self, Tools};
 use super::{session_id, SharedState};
@@ -301,7 +301,8 @@ pub async fn messages(
         logprobs: None,
     };
     let p = prepare(&state, ids, sampling, "messages").map_err(refused)?;
-    let mut pieces = start(&state, &p, session_id(&headers), end_of_text)?;
+    let pieces = start(&state, &p, session_id(&headers), end_of_text)?;
+    let mut pieces = forced_pieces(tools.as_ref(), pieces);
     let reply = Reply {
         id: format!("msg_{}", p.id),
         model: state.model_name.clone(),
@@ -370,6 +371,7 @@ fn usage(o: &Outcome) -> Value {
 fn stream(state: SharedState, pieces: super::run::Pieces, reply: Reply) -> Response {
     let mut started = false;
     let mut calls = CallStream::default();
+    let mut prefix = forced_prefix(&state, reply.tools.as_ref());
     // The content block open now (0: the text).
     let mut open = None;
     named_sse(pieces, move |piece, ids| {
@@ -414,9 +416,11 @@ fn stream(state: SharedState, pieces: super::run::Pieces, reply: Reply) -> Respo
                 let (Some(fmt), Some(tools)) = (state.chat.as_ref(), reply.tools.as_ref()) else {
                     return out;
                 };
-                for entry in new
-                    .iter()
-                    .flat_map(|&t| calls.push(fmt, &state.codec, tools, t))
+                // A forced call's start is in the prompt: the stream is fed it first.
+                let fed: Vec<u32> = std::mem::take(&mut prefix).into_iter().chain(new).collect();
+                for entry in fed
+                    .into_iter()
+                    .flat_map(|t| calls.push(fmt, &state.codec, tools, t))
                 {
                     let index = entry["index"].as_u64().unwrap_or(0) as usize + 1;
                     let function = &entry["function"];

@@ -15,6 +15,7 @@
 //! ```
 use serde::{Deserialize, Serialize};
 
+use super::tools::Forced;
 use crate::model::tokenizer::TextCodec;
 
 /// A chat message as OpenAI's API sends it.
@@ -208,6 +209,22 @@ impl KimiFormat {
             self.argument_begin,
             self.call_end,
         ]
+    }
+
+    /// The ids a reply forced to call a tool starts with (appended to the prompt): the
+    /// section's start, and for a named tool its call up to the arguments.
+    pub fn forced_prefix(&self, codec: &TextCodec, forced: &Forced) -> Vec<u32> {
+        let mut ids = vec![self.section_begin];
+        if let Forced::Named(name) = forced {
+            ids.push(self.call_begin);
+            ids.extend(
+                codec
+                    .encode_plain(&format!("functions.{name}:0"))
+                    .unwrap_or_default(),
+            );
+            ids.push(self.argument_begin);
+        }
+        ids
     }
 
     /// `<|im_end|>`: the end of a turn, so the end of a chat reply.

@@ -48,6 +48,11 @@ impl Detokenizer {
         }
     }
 
+    /// No more text from here on (a reply generated from inside a tool call has none).
+    pub fn close(&mut self) {
+        self.closed = true;
+    }
+
     /// Whether a stop string ended the text.
     pub fn stopped(&self) -> bool {
         self.stopped.is_some()

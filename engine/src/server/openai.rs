@@ -397,7 +397,10 @@ pub async fn chat(
     let (stops, end_of_text) = reply_ends(&state, tools.as_ref(), stops);
     sampling.stop_token_ids = Some(stops);
     let p = prepare(&state, prompt, sampling, "messages").map_err(refused)?;
-    let choices = start_choices(&state, &p, session_id(&headers), end_of_text)?;
+    let choices = start_choices(&state, &p, session_id(&headers), end_of_text)?
+        .into_iter()
+        .map(|pieces| forced_pieces(tools.as_ref(), pieces))
+        .collect();
     let reply = Reply {
         id: format!("chatcmpl-{}", p.id),
         created: unix_time(),
@@ -443,6 +446,9 @@ impl Reply {
 fn chat_stream(state: SharedState, choices: Vec<Pieces>, reply: Reply) -> Response {
     let mut first = vec![true; choices.len()];
     let mut calls: Vec<CallStream> = choices.iter().map(|_| CallStream::default()).collect();
+    // A forced call's start is in the prompt: each choice's stream is fed it first.
+    let prefix = forced_prefix(&state, reply.tools.as_ref());
+    let mut unfed = vec![true; choices.len()];
     let mut total = Total::new(choices.len());
     sse_choices(choices, move |i, piece, _| {
         let mut out = Vec::new();
@@ -473,8 +479,12 @@ fn chat_stream(state: SharedState, choices: Vec<Pieces>, reply: Reply) -> Respon
                 }
                 out.push(chunk);
                 if let (Some(fmt), Some(tools)) = (state.chat.as_ref(), reply.tools.as_ref()) {
-                    let entries: Vec<Value> = (ids.iter())
-                        .flat_map(|&t| calls[i].push(fmt, &state.codec, tools, t))
+                    let fed = match std::mem::take(&mut unfed[i]) {
+                        true => prefix.iter().chain(&ids).copied().collect(),
+                        false => ids.clone(),
+                    };
+                    let entries: Vec<Value> = (fed.into_iter())
+                        .flat_map(|t| calls[i].push(fmt, &state.codec, tools, t))
                         .collect();
                     if !entries.is_empty() {
                         out.push(reply.chunk(i, json!({"tool_calls": entries}), None));
@@ -554,14 +564,33 @@ pub(super) async fn chat_prompt(
     }
     let bytes: usize = messages.iter().map(ChatMessage::text_bytes).sum();
     let (st, declared) = (state.clone(), tools.map(|t| t.declared.clone()));
+    let forced = forced_prefix(state, tools);
     state
         .tokenize(bytes, field, move || {
             let format = st.chat.as_ref().expect("checked above");
-            format
+            let mut ids = format
                 .render(&st.codec, &messages, declared.as_ref())
-                .map_err(|m| ApiError::invalid(m, Some(field)))
+                .map_err(|m| ApiError::invalid(m, Some(field)))?;
+            ids.extend(forced);
+            Ok(ids)
         })
         .await
+}
+
+/// The ids a reply forced to call a tool starts from (after the prompt; none otherwise).
+pub(super) fn forced_prefix(state: &AppState, tools: Option<&Tools>) -> Vec<u32> {
+    match (state.chat.as_ref(), tools.and_then(|t| t.forced.as_ref())) {
+        (Some(fmt), Some(forced)) => fmt.forced_prefix(&state.codec, forced),
+        _ => Vec::new(),
+    }
+}
+
+/// `pieces` of a reply forced to call a tool carry no text (it starts inside the call).
+pub(super) fn forced_pieces(tools: Option<&Tools>, mut pieces: Pieces) -> Pieces {
+    if tools.is_some_and(|t| t.forced.is_some()) {
+        pieces.close_text();
+    }
+    pieces
 }
 
 /// Where a chat reply ends: `stops` plus its turn's end (whatever the model's config lists
@@ -586,7 +615,11 @@ pub(super) fn tool_calls(state: &AppState, tools: Option<&Tools>, ids: &[u32]) -
     let (Some(fmt), Some(tools)) = (state.chat.as_ref(), tools) else {
         return Vec::new();
     };
-    match fmt.section_start(ids) {
+    let ids: Vec<u32> = forced_prefix(state, Some(tools))
+        .into_iter()
+        .chain(ids.iter().copied())
+        .collect();
+    match fmt.section_start(&ids) {
         Some(at) => tools.accept(fmt.parse_calls(&state.codec, &ids[at..])),
         None => Vec::new(),
     }

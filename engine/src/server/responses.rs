@@ -17,7 +17,7 @@ use super::call_stream::CallStream;
 use super::chat_format::{ChatMessage, Content, FunctionCall, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, PENALTIES};
-use super::openai::{chat_prompt, collect, reply_ends, tool_calls};
+use super::openai::{chat_prompt, collect, forced_pieces, forced_prefix, reply_ends, tool_calls};
 use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames};
 use super::tools;
 use super::{session_id, unix_time, SharedState};
@@ -308,7 +308,8 @@ pub async fn responses(
         logprobs: None,
     };
     let p = prepare(&state, prompt, sampling, "input").map_err(refused)?;
-    let mut pieces = start(&state, &p, session_id(&headers), end_of_text)?;
+    let pieces = start(&state, &p, session_id(&headers), end_of_text)?;
+    let mut pieces = forced_pieces(tools.as_ref(), pieces);
     let head = Head {
         id: format!("resp_{}", p.id),
         created: unix_time(),
@@ -385,6 +386,7 @@ fn stream(
     let mut started = false;
     let mut message_open = true;
     let mut calls = CallStream::default();
+    let mut prefix = forced_prefix(&state, tools.as_ref());
     // The call item being streamed: its item (arguments so far) and output index.
     let mut open_call: Option<(Value, usize)> = None;
     named_sse(pieces, move |piece, ids| {
@@ -472,9 +474,11 @@ fn stream(
                 let (Some(fmt), Some(tools)) = (state.chat.as_ref(), tools.as_ref()) else {
                     return out;
                 };
-                for entry in new
-                    .iter()
-                    .flat_map(|&t| calls.push(fmt, &state.codec, tools, t))
+                // A forced call's start is in the prompt: the stream is fed it first.
+                let fed: Vec<u32> = std::mem::take(&mut prefix).into_iter().chain(new).collect();
+                for entry in fed
+                    .into_iter()
+                    .flat_map(|t| calls.push(fmt, &state.codec, tools, t))
                 {
                     let index = entry["index"].as_u64().unwrap_or(0) as usize + 1;
                     let function = &entry["function"];

@@ -330,6 +330,11 @@ impl Pieces {
         self.detok.ids()
     }
 
+    /// No text from here on: the pieces carry ids only (a reply forced into a tool call).
+    pub fn close_text(&mut self) {
+        self.detok.close();
+    }
+
     /// Whether every piece has been taken.
     fn ended(&self) -> bool {
         self.done && self.ready.is_empty()

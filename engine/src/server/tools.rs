@@ -15,6 +15,18 @@ pub struct Tools {
     /// The declarations as the prompt shows them.
     pub declared: Value,
     names: HashSet<String>,
+    /// A call the reply must make (`tool_choice` `"required"` or a named function).
+    pub forced: Option<Forced>,
+}
+
+/// A tool call the reply is made to start with: the reply is generated from inside the
+/// tool-call section (a call of any tool), or from inside the named tool's call (its
+/// arguments). The call's structure is forced; names (under `Any`) and arguments are the
+/// model's, not constrained to the declarations' schemas.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Forced {
+    Any,
+    Named(String),
 }
 
 fn bad(param: &str, why: impl std::fmt::Display) -> ApiError {
@@ -79,18 +91,13 @@ fn declarations(tools: &Value) -> Result<HashSet<String>, ApiError> {
     Ok(names)
 }
 
-/// The tools a request offers: `None` when it declares none or `tool_choice` is `"none"`.
-/// Choices kiln cannot honour yet (`"required"`, a named function: both need constrained
-/// decoding) and impossible ones are 400s naming `tool_choice`.
+/// The tools a request offers: `None` when it declares none or `tool_choice` is `"none"`;
+/// `"required"` and a named function force a call ([`Forced`]; `"required"` with one tool
+/// declared names it). Impossible choices are 400s naming `tool_choice`.
 pub fn resolve(tools: Option<&Value>, choice: Option<&Value>) -> Result<Option<Tools>, ApiError> {
     let tools = tools.filter(|t| !t.is_null());
     let names = tools.map(declarations).transpose()?.unwrap_or_default();
-    let needs = |what: &str| {
-        bad(
-            "tool_choice",
-            format!("{what} needs constrained decoding, which kiln does not do yet; use \"auto\""),
-        )
-    };
+    let mut forced = None;
     match choice.filter(|c| !c.is_null()) {
         None => {}
         Some(Value::String(s)) if s == "none" => return Ok(None),
@@ -99,7 +106,10 @@ pub fn resolve(tools: Option<&Value>, choice: Option<&Value>) -> Result<Option<T
             if names.is_empty() {
                 return Err(bad("tool_choice", "\"required\" but no tools are declared"));
             }
-            return Err(needs("\"required\""));
+            forced = Some(match names.len() {
+                1 => Forced::Named(names.iter().next().expect("one").clone()),
+                _ => Forced::Any,
+            });
         }
         Some(Value::Object(o)) => {
             let name = o
@@ -116,7 +126,7 @@ pub fn resolve(tools: Option<&Value>, choice: Option<&Value>) -> Result<Option<T
                     format!("names `{name}`, which is not among the declared tools"),
                 ));
             }
-            return Err(needs("a named function"));
+            forced = Some(Forced::Named(name.to_string()));
         }
         Some(other) => {
             return Err(bad(
@@ -128,6 +138,7 @@ pub fn resolve(tools: Option<&Value>, choice: Option<&Value>) -> Result<Option<T
     Ok((!names.is_empty()).then(|| Tools {
         declared: tools.cloned().unwrap_or(Value::Null),
         names,
+        forced,
     }))
 }
 
@@ -210,7 +221,7 @@ mod tests {
     }
 
     #[test]
-    fn tool_choice_offers_tools_only_when_it_can_be_honoured() {
+    fn tool_choice_offers_tools_and_forces_a_call_when_asked() {
         let tools = json!([tool("ls")]);
         assert!(
             resolve(None, None).unwrap().is_none(),
@@ -222,15 +233,20 @@ mod tests {
         assert!(resolve(Some(&tools), Some(&json!("none")))
             .unwrap()
             .is_none());
-        assert!(resolve(Some(&tools), Some(&json!("auto")))
-            .unwrap()
-            .is_some());
+        let forced = |tools: &Value, choice: Value| {
+            resolve(Some(tools), Some(&choice)).unwrap().unwrap().forced
+        };
+        assert_eq!(forced(&tools, json!("auto")), None);
+        let named = json!({"type": "function", "function": {"name": "ls"}});
+        assert_eq!(forced(&tools, named), Some(Forced::Named("ls".into())));
+        // "required" with one tool is that tool; with several, any of them.
+        assert_eq!(forced(&tools, json!("required")), Some(Forced::Named("ls".into())));
+        let two = json!([tool("ls"), tool("cat")]);
+        assert_eq!(forced(&two, json!("required")), Some(Forced::Any));
         for choice in [
-            json!("required"),
             json!("bogus"),
             json!(7),
             json!({"type": "function", "function": {"name": "rm"}}),
-            json!({"type": "function", "function": {"name": "ls"}}),
         ] {
             assert_eq!(
                 param(resolve(Some(&tools), Some(&choice))),
