@@ -29,6 +29,22 @@ fn kept(logits: &[f32], row: &SamplingRow) -> (Vec<(u32, f64)>, f64) {
         return (weights, total);
     }
     let all: f64 = weights.iter().map(|w| w.1).sum();
+    // Only tokens of weight at least `floor` can be kept once those already number top_k,
+    // hold top_p of the mass (every lighter token has them all above it) or floor is under
+    // min_p: sort those alone (a model's peaked rows keep few of 163,840).
+    let mut floor = 1.0f64;
+    loop {
+        let (count, mass) = (weights.iter().filter(|w| w.1 >= floor))
+            .fold((0usize, 0.0f64), |(c, m), w| (c + 1, m + w.1));
+        let enough = (row.top_k > 0 && count >= row.top_k as usize)
+            || (row.top_p < 1.0 && mass >= row.top_p as f64 * all)
+            || floor <= row.min_p as f64;
+        if enough || floor == 0.0 {
+            break;
+        }
+        floor = if floor < 1e-300 { 0.0 } else { floor / 16.0 };
+    }
+    weights.retain(|w| w.1 >= floor);
     weights.sort_by(|a, b| {
         l(b.0 as usize)
             .total_cmp(&l(a.0 as usize))
