@@ -103,7 +103,10 @@ async fn function_calls_and_outputs_render_as_chat_tool_calls() {
     // a call, an undeclared one is refused, named.
     let tools =
         json!([{"type": "function", "name": "read_file", "parameters": {"type": "object"}}]);
-    for choice in [json!({"type": "function", "name": "read_file"}), json!("required")] {
+    for choice in [
+        json!({"type": "function", "name": "read_file"}),
+        json!("required"),
+    ] {
         let body =
             json!({"input": "hi", "max_output_tokens": 2, "tools": tools, "tool_choice": choice});
         assert_eq!(responses(&server, body).await.0, 200, "{choice}");

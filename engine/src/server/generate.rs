@@ -11,11 +11,11 @@ use serde_json::{json, Value};
 
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, SGLANG_SAMPLING};
+use super::logprobs::with_logprobs;
 use super::run::{
     prepare, sse, start, Outcome, Piece, RawSampling, Stop, MAX_TOP_LOGPROBS, SGLANG_NAMES,
 };
 use super::{session_id, SharedState};
-use crate::scheduler::TokenLogprobs;
 
 #[derive(Deserialize, Default)]
 pub struct SamplingFields {
@@ -75,23 +75,6 @@ fn body(
         b["meta_info"]["spec_accepted_tokens"] = json!(o.usage.spec_accepted_tokens);
     }
     b
-}
-
-/// SGLang's log-probability fields in `b`'s `meta_info` (`[logprob, id, text]` triples,
-/// text not asked for), when `wanted`.
-fn with_logprobs(b: &mut Value, wanted: bool, ids: &[u32], logprobs: &[TokenLogprobs]) {
-    if !wanted {
-        return;
-    }
-    let triple = |lp: f32, id: u32| json!([lp, id, null]);
-    let (tokens, top): (Vec<Value>, Vec<Value>) = (ids.iter().zip(logprobs))
-        .map(|(&id, l)| {
-            let top: Vec<Value> = l.top.iter().map(|&(t, lp)| triple(lp, t)).collect();
-            (triple(l.logprob, id), json!(top))
-        })
-        .unzip();
-    b["meta_info"]["output_token_logprobs"] = json!(tokens);
-    b["meta_info"]["output_top_logprobs"] = json!(top);
 }
 
 /// A `/generate` body with its `meta_info`.

@@ -13,10 +13,12 @@
 mod anthropic;
 mod call_stream;
 mod chat_format;
+mod choices;
 mod detok;
 mod error;
 mod fields;
 mod generate;
+mod logprobs;
 mod openai;
 mod responses;
 mod run;

@@ -10,16 +10,16 @@ use serde_json::{json, Value};
 
 use super::call_stream::CallStream;
 use super::chat_format::{ChatMessage, ToolCall};
+use super::choices::{collect_all, start_choices, Total};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, OPENAI};
+use super::logprobs::{chat_logprobs, completion_logprobs};
 use super::run::{
-    prepare, sse_choices, start, Outcome, Piece, Pieces, Prepared, RawSampling, Stop,
-    MAX_TOP_LOGPROBS, OPENAI_NAMES,
+    prepare, sse_choices, Outcome, Piece, Pieces, RawSampling, Stop, MAX_TOP_LOGPROBS, OPENAI_NAMES,
 };
 use super::tools::{self, Tools};
 use super::{session_id, unix_time, AppState, SharedState};
 use crate::scheduler::FinishReason;
-use crate::scheduler::TokenLogprobs;
 
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -145,60 +145,13 @@ pub struct ChatRequest {
     common: Common,
 }
 
-fn usage_json(o: &Outcome) -> Value {
+pub(super) fn usage_json(o: &Outcome) -> Value {
     json!({
         "prompt_tokens": o.usage.prompt_tokens,
         "completion_tokens": o.usage.completion_tokens,
         "total_tokens": o.usage.prompt_tokens + o.usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": o.usage.cached_tokens},
     })
-}
-
-/// A token as log-probability objects show it: its text, log-probability and bytes.
-fn token_json(state: &AppState, id: u32, logprob: f32) -> Value {
-    let text = state.codec.decode_with_special(&[id]).unwrap_or_default();
-    json!({"token": text, "logprob": logprob, "bytes": state.codec.token_bytes(id)})
-}
-
-/// Chat's `logprobs` of `ids`: an entry a token, with its alternatives.
-fn chat_logprobs(state: &AppState, ids: &[u32], logprobs: &[TokenLogprobs]) -> Value {
-    let content: Vec<Value> = (ids.iter().zip(logprobs))
-        .map(|(&id, l)| {
-            let mut entry = token_json(state, id, l.logprob);
-            entry["top_logprobs"] = (l.top.iter())
-                .map(|&(t, lp)| token_json(state, t, lp))
-                .collect();
-            entry
-        })
-        .collect();
-    json!({"content": content, "refusal": null})
-}
-
-/// The completions API's `logprobs` of `ids`, whose text starts `offset` bytes into the
-/// completion.
-fn completion_logprobs(
-    state: &AppState,
-    ids: &[u32],
-    logprobs: &[TokenLogprobs],
-    mut offset: usize,
-) -> Value {
-    let text = |id| state.codec.decode_with_special(&[id]).unwrap_or_default();
-    let (mut tokens, mut offsets) = (Vec::new(), Vec::new());
-    for &id in ids {
-        let t = text(id);
-        offsets.push(offset);
-        offset += t.len();
-        tokens.push(t);
-    }
-    let top: Vec<Value> = (logprobs.iter())
-        .map(|l| {
-            let alternatives: serde_json::Map<String, Value> =
-                l.top.iter().map(|&(t, lp)| (text(t), json!(lp))).collect();
-            Value::Object(alternatives)
-        })
-        .collect();
-    json!({"tokens": tokens, "token_logprobs": logprobs.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-           "top_logprobs": top, "text_offset": offsets})
 }
 
 /// `POST /v1/completions`.
@@ -300,57 +253,6 @@ pub async fn completions(
         "choices": bodies, "usage": total.usage(),
     }))
     .into_response())
-}
-
-/// The choices' generations, each started as its own engine request.
-fn start_choices(
-    state: &AppState,
-    p: &Prepared,
-    session: Option<String>,
-    end_of_text: Option<u32>,
-) -> Result<Vec<Pieces>, ApiError> {
-    (p.choices(state).iter())
-        .map(|q| start(state, q, session.clone(), end_of_text))
-        .collect()
-}
-
-/// Every choice's generation run to its end, read concurrently (a choice whose client
-/// reads nothing would pause): each one's text and outcome.
-async fn collect_all(choices: &mut [Pieces]) -> Result<Vec<(String, Outcome)>, ApiError> {
-    futures_util::future::join_all(choices.iter_mut().map(collect))
-        .await
-        .into_iter()
-        .collect()
-}
-
-/// The usage of a request's choices added up (the prompt counted once), complete once
-/// every choice has ended.
-struct Total {
-    left: usize,
-    outcome: Option<Outcome>,
-}
-
-impl Total {
-    fn new(choices: usize) -> Self {
-        Total {
-            left: choices,
-            outcome: None,
-        }
-    }
-
-    /// Adds a choice's outcome; the usage once it was the last.
-    fn add(&mut self, o: &Outcome) -> Option<Value> {
-        self.left -= 1;
-        match &mut self.outcome {
-            None => self.outcome = Some(o.clone()),
-            Some(t) => t.usage.completion_tokens += o.usage.completion_tokens,
-        }
-        (self.left == 0).then(|| self.usage())
-    }
-
-    fn usage(&self) -> Value {
-        usage_json(self.outcome.as_ref().expect("a choice ended"))
-    }
 }
 
 /// Runs a generation to its end: the text and how it ended.

@@ -240,7 +240,10 @@ mod tests {
         let named = json!({"type": "function", "function": {"name": "ls"}});
         assert_eq!(forced(&tools, named), Some(Forced::Named("ls".into())));
         // "required" with one tool is that tool; with several, any of them.
-        assert_eq!(forced(&tools, json!("required")), Some(Forced::Named("ls".into())));
+        assert_eq!(
+            forced(&tools, json!("required")),
+            Some(Forced::Named("ls".into()))
+        );
         let two = json!([tool("ls"), tool("cat")]);
         assert_eq!(forced(&two, json!("required")), Some(Forced::Any));
         for choice in [
