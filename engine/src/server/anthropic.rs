@@ -370,8 +370,7 @@ fn usage(o: &Outcome) -> Value {
 /// with the stop reason and usage, `message_stop`.
 fn stream(state: SharedState, pieces: super::run::Pieces, reply: Reply) -> Response {
     let mut started = false;
-    let mut calls = CallStream::default();
-    let mut prefix = forced_prefix(&state, reply.tools.as_ref());
+    let mut calls = CallStream::new(forced_prefix(&state, reply.tools.as_ref()));
     // The content block open now (0: the text).
     let mut open = None;
     named_sse(pieces, move |piece, ids| {
@@ -416,12 +415,7 @@ fn stream(state: SharedState, pieces: super::run::Pieces, reply: Reply) -> Respo
                 let (Some(fmt), Some(tools)) = (state.chat.as_ref(), reply.tools.as_ref()) else {
                     return out;
                 };
-                // A forced call's start is in the prompt: the stream is fed it first.
-                let fed: Vec<u32> = std::mem::take(&mut prefix).into_iter().chain(new).collect();
-                for entry in fed
-                    .into_iter()
-                    .flat_map(|t| calls.push(fmt, &state.codec, tools, t))
-                {
+                for entry in calls.push(fmt, &state.codec, tools, &new) {
                     let index = entry["index"].as_u64().unwrap_or(0) as usize + 1;
                     let function = &entry["function"];
                     if entry.get("id").is_some() {

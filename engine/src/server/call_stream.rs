@@ -13,6 +13,9 @@ use crate::model::tokenizer::TextCodec;
 /// Where a reply's generation stands in its tool-call section.
 #[derive(Default)]
 pub struct CallStream {
+    /// Ids the reply starts from that are not generated (a forced call's start, after the
+    /// prompt), fed before the first generated one.
+    unfed: Vec<u32>,
     in_section: bool,
     /// The ids of the current call's Kimi id, once its begin marker came.
     call_id: Option<Vec<u32>>,
@@ -30,8 +33,30 @@ struct Arguments {
 }
 
 impl CallStream {
-    /// The `tool_calls` delta entries generated id `id` completes (often none).
+    /// A stream whose reply starts from `prefix` (empty unless a call is forced).
+    pub fn new(prefix: Vec<u32>) -> Self {
+        CallStream {
+            unfed: prefix,
+            ..CallStream::default()
+        }
+    }
+
+    /// The `tool_calls` delta entries the generated `ids` complete (often none).
     pub fn push(
+        &mut self,
+        fmt: &KimiFormat,
+        codec: &TextCodec,
+        tools: &Tools,
+        ids: &[u32],
+    ) -> Vec<Value> {
+        let unfed = std::mem::take(&mut self.unfed);
+        (unfed.iter().chain(ids))
+            .flat_map(|&id| self.push_one(fmt, codec, tools, id))
+            .collect()
+    }
+
+    /// The entries generated id `id` completes.
+    fn push_one(
         &mut self,
         fmt: &KimiFormat,
         codec: &TextCodec,
@@ -122,7 +147,7 @@ mod tests {
         let mut stream = CallStream::default();
         let mut calls: Vec<Value> = Vec::new();
         for &id in &out {
-            for entry in stream.push(&fmt, &codec, &tools, id) {
+            for entry in stream.push(&fmt, &codec, &tools, &[id]) {
                 let i = entry["index"].as_u64().unwrap() as usize;
                 if i == calls.len() {
                     assert_eq!(entry["function"]["arguments"], "", "a header first");

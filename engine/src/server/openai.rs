@@ -347,10 +347,10 @@ impl Reply {
 /// the usage once every choice has ended.
 fn chat_stream(state: SharedState, choices: Vec<Pieces>, reply: Reply) -> Response {
     let mut first = vec![true; choices.len()];
-    let mut calls: Vec<CallStream> = choices.iter().map(|_| CallStream::default()).collect();
-    // A forced call's start is in the prompt: each choice's stream is fed it first.
     let prefix = forced_prefix(&state, reply.tools.as_ref());
-    let mut unfed = vec![true; choices.len()];
+    let mut calls: Vec<CallStream> = (choices.iter())
+        .map(|_| CallStream::new(prefix.clone()))
+        .collect();
     let mut total = Total::new(choices.len());
     sse_choices(choices, move |i, piece, _| {
         let mut out = Vec::new();
@@ -381,13 +381,7 @@ fn chat_stream(state: SharedState, choices: Vec<Pieces>, reply: Reply) -> Respon
                 }
                 out.push(chunk);
                 if let (Some(fmt), Some(tools)) = (state.chat.as_ref(), reply.tools.as_ref()) {
-                    let fed = match std::mem::take(&mut unfed[i]) {
-                        true => prefix.iter().chain(&ids).copied().collect(),
-                        false => ids.clone(),
-                    };
-                    let entries: Vec<Value> = (fed.into_iter())
-                        .flat_map(|t| calls[i].push(fmt, &state.codec, tools, t))
-                        .collect();
+                    let entries = calls[i].push(fmt, &state.codec, tools, &ids);
                     if !entries.is_empty() {
                         out.push(reply.chunk(i, json!({"tool_calls": entries}), None));
                     }

@@ -385,8 +385,7 @@ fn stream(
     let mut text = String::new();
     let mut started = false;
     let mut message_open = true;
-    let mut calls = CallStream::default();
-    let mut prefix = forced_prefix(&state, tools.as_ref());
+    let mut calls = CallStream::new(forced_prefix(&state, tools.as_ref()));
     // The call item being streamed: its item (arguments so far) and output index.
     let mut open_call: Option<(Value, usize)> = None;
     named_sse(pieces, move |piece, ids| {
@@ -474,12 +473,7 @@ fn stream(
                 let (Some(fmt), Some(tools)) = (state.chat.as_ref(), tools.as_ref()) else {
                     return out;
                 };
-                // A forced call's start is in the prompt: the stream is fed it first.
-                let fed: Vec<u32> = std::mem::take(&mut prefix).into_iter().chain(new).collect();
-                for entry in fed
-                    .into_iter()
-                    .flat_map(|t| calls.push(fmt, &state.codec, tools, t))
-                {
+                for entry in calls.push(fmt, &state.codec, tools, &new) {
                     let index = entry["index"].as_u64().unwrap_or(0) as usize + 1;
                     let function = &entry["function"];
                     if entry.get("id").is_some() {

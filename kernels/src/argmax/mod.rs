@@ -24,20 +24,7 @@ pub fn argmax_rows<R: Runtime>(
     vocab: usize,
     out: &DeviceArray<u32>,
 ) -> Result<(), KernelError> {
-    let max = client.properties().hardware.max_cube_count;
-    for (what, value, most) in [
-        ("rows", rows, max.0 as usize),
-        ("vocab", vocab, NONE as usize - 1),
-    ] {
-        if value == 0 || value > most {
-            return Err(KernelError::Range {
-                what,
-                value,
-                min: 1,
-                max: most,
-            });
-        }
-    }
+    check_rows(client, rows, vocab, NONE as usize - 1)?;
     check_len("logits", logits, rows * vocab)?;
     check_len("argmax output", out, rows)?;
     check_index_space("logits", rows * vocab)?;
@@ -51,6 +38,28 @@ pub fn argmax_rows<R: Runtime>(
             out.arg(),
             vocab as u32,
         )
+    }
+    Ok(())
+}
+
+/// The shape checks of a kernel that runs a cube per row: at least one row and at most a
+/// launch's cubes, rows 1 to `most_vocab` wide.
+pub(crate) fn check_rows<R: Runtime>(
+    client: &ComputeClient<R>,
+    rows: usize,
+    vocab: usize,
+    most_vocab: usize,
+) -> Result<(), KernelError> {
+    let max = client.properties().hardware.max_cube_count;
+    for (what, value, most) in [("rows", rows, max.0 as usize), ("vocab", vocab, most_vocab)] {
+        if value == 0 || value > most {
+            return Err(KernelError::Range {
+                what,
+                value,
+                min: 1,
+                max: most,
+            });
+        }
     }
     Ok(())
 }

@@ -17,7 +17,7 @@
 use cubecl::prelude::*;
 use kiln_core::sampling::SAMPLING_WORDS;
 
-use crate::argmax::{row_argmax, UNITS};
+use crate::argmax::{check_rows, row_argmax, UNITS};
 use crate::buffer::{check_index_space, check_len};
 use crate::reduce::{cube_best, cube_sum};
 use crate::{DeviceArray, KernelError};
@@ -40,21 +40,8 @@ pub fn sample_rows<R: Runtime>(
     params: &DeviceArray<u32>,
     out: &DeviceArray<u32>,
 ) -> Result<(), KernelError> {
-    let max = client.properties().hardware.max_cube_count;
-    for (what, value, most) in [
-        ("rows", rows, max.0 as usize),
-        // Philox counts blocks of four tokens in one word, and NONE is no token.
-        ("vocab", vocab, NONE as usize - 4),
-    ] {
-        if value == 0 || value > most {
-            return Err(KernelError::Range {
-                what,
-                value,
-                min: 1,
-                max: most,
-            });
-        }
-    }
+    // Philox counts blocks of four tokens in one word, and NONE is no token.
+    check_rows(client, rows, vocab, NONE as usize - 4)?;
     check_len("logits", logits, rows * vocab)?;
     check_len("sampling parameters", params, rows * SAMPLING_WORDS)?;
     check_len("sampled tokens", out, rows)?;
