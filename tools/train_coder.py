@@ -330,6 +330,7 @@ def save_checkpoint(model_dir, c, stored, tok):
                quantization_config=MODELOPT_QUANT)
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     tok.save(str(model_dir / "tokenizer.json"))
+    write_tokenizer_config(model_dir)
     tensors = {}
     for name, t in stored.items():
         if t.dtype == torch.float32 and t.dim() > 0 and not name.endswith("e_score_correction_bias"):
@@ -354,6 +355,18 @@ def save_checkpoint(model_dir, c, stored, tok):
     return total
 
 
+KIMI_TEMPLATE = Path(__file__).resolve().parent.parent / "engine" / "src" / "server" / "kimi_chat.jinja"
+
+
+def write_tokenizer_config(model_dir):
+    """tokenizer_config.json as checkpoints ship it: the chat template kiln serves the model
+    with (Kimi's format, as `render` writes the training chats; the server adds no [BOS])
+    and the special tokens templates name."""
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": END,
+           "chat_template": KIMI_TEMPLATE.read_text()}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def install(src):
     """Merges a run's shards (as they come back from the GPU machine, each under 16 MB) into
     one model.safetensors under engine/assets/kiln-coder/, beside its config, tokenizer,
@@ -369,6 +382,7 @@ def install(src):
     save_file(dict(sorted(tensors.items())), str(dst / "model.safetensors"), metadata={"format": "pt"})
     for name in ("config.json", "tokenizer.json", "metrics.json", "DATA.md"):
         (dst / name).write_bytes(next(src.rglob(name)).read_bytes())
+    write_tokenizer_config(dst)
     log(f"installed {len(tensors)} tensors into {dst}")
 
 

@@ -21,7 +21,7 @@ use kiln::model::Checkpoint;
 pub const DEFAULT: &str = CODER;
 const CODER: &str = "kiln-coder";
 #[cfg(feature = "coder")]
-const CODER_FILES: [(&str, &[u8]); 3] = [
+const CODER_FILES: [(&str, &[u8]); 4] = [
     (
         "config.json",
         include_bytes!("../../assets/kiln-coder/config.json"),
@@ -29,6 +29,10 @@ const CODER_FILES: [(&str, &[u8]); 3] = [
     (
         "tokenizer.json",
         include_bytes!("../../assets/kiln-coder/tokenizer.json"),
+    ),
+    (
+        "tokenizer_config.json",
+        include_bytes!("../../assets/kiln-coder/tokenizer_config.json"),
     ),
     (
         "model.safetensors",

@@ -12,7 +12,7 @@ use axum::serve::ListenerExt;
 use clap::Args;
 use kiln::engine::{self, EngineConfig, ModelSource};
 use kiln::model::default_model;
-use kiln::server::{router, AppState, KimiFormat};
+use kiln::server::{router, AppState, ChatTemplate, KimiFormat, KIMI_TEMPLATE};
 use kiln::speculative::{DraftPolicy, DrafterKind, SpecConfig, MAX_DRAFT_NODES};
 
 #[derive(Args)]
@@ -262,12 +262,26 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         speculative: speculative(&args)?,
     };
     let engine = engine::start(cfg, source)?;
-    let chat = KimiFormat::new(&codec)
-        .inspect_err(|e| tracing::warn!("chat completions unavailable: {e}"))
-        .ok();
+    let chat = KimiFormat::new(&codec).ok();
+    let template = match (&codec.chat_template, &chat) {
+        (Some(source), _) => ChatTemplate::new(source, &codec)
+            .inspect_err(|e| tracing::warn!("chat endpoints unavailable: {e}"))
+            .ok(),
+        (None, Some(_)) => {
+            Some(ChatTemplate::new(KIMI_TEMPLATE, &codec).expect("kiln's own template"))
+        }
+        (None, None) => {
+            tracing::warn!("chat endpoints unavailable: the tokenizer has no chat template");
+            None
+        }
+    };
+    if chat.is_none() {
+        tracing::warn!("tool calls unavailable: the tokenizer lacks Kimi's tool-call tokens");
+    }
     let state = Arc::new(AppState::new(
         engine,
         Arc::new(codec),
+        template,
         chat,
         args.served_model_name.clone().unwrap_or(name),
         args.api_key.clone(),

@@ -245,47 +245,12 @@ async fn a_client_that_reads_nothing_pauses_its_request_then_is_aborted() {
     assert_eq!(status, 200);
 }
 
-/// The embedded model made to answer every position with the tool-call section marker:
-/// embeddings all ones and every block's output projections zero, so the final hidden
-/// state is the same for every token, and an `lm_head` whose only non-zero row is the
-/// marker's.
+/// The embedded model made to answer every position with the tool-call section marker.
 fn marker_model(dir: &Path) {
-    kiln::model::default_model::write(dir).expect("default model");
     let marker = kiln::model::default_model::codec()
         .token_id("<|tool_calls_section_begin|>")
         .expect("chat tokens") as usize;
-    let path = dir.join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let bf16 = |v: f32| half::bf16::from_f32(v).to_le_bytes();
-    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = file
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let shape = view.shape().to_vec();
-            let n: usize = shape.iter().product();
-            let data: Vec<u8> = if name == "model.embed_tokens.weight" {
-                (0..n).flat_map(|_| bf16(1.0)).collect()
-            } else if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
-                (0..n).flat_map(|_| bf16(0.0)).collect()
-            } else if name == "lm_head.weight" {
-                let cols = shape[1];
-                (0..n)
-                    .flat_map(|i| bf16(if i / cols == marker { 1.0 } else { 0.0 }))
-                    .collect()
-            } else {
-                view.data().to_vec()
-            };
-            (name, shape, data)
-        })
-        .collect();
-    let views = tensors.iter().map(|(name, shape, data)| {
-        let view =
-            safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), data)
-                .unwrap();
-        (name.clone(), view)
-    });
-    safetensors::serialize_to_file(views, None, &path).unwrap();
+    common::scripted_model(dir, |_| marker);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -598,3 +598,101 @@ async fn later_turns_hit_the_host_tier_and_answer_as_a_pool_that_holds_everythin
     assert!(tiered.metric("kiln_kv_bytes_to_device_total") > 0.0);
     assert!(tiered.metric("kiln_kv_host_pages") > 0.0);
 }
+
+/// A checkpoint's own `chat_template` (tokenizer_config.json) shapes the prompt: its text
+/// with its special tokens as tokens, and special-token strings a user types as text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoints_chat_template_renders_the_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    kiln::model::default_model::write(dir.path()).unwrap();
+    let template = "{{ bos_token }}{% for m in messages %}### {{ m.role | upper }}\n\
+                    {{ m.content.strip() }}{{ eos_token }}{% endfor %}\
+                    {% if add_generation_prompt %}### ASSISTANT\n{% endif %}";
+    let config =
+        json!({"chat_template": template, "bos_token": "[BOS]", "eos_token": "<|im_end|>"});
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let server = Server::start(&["--model", dir.path().to_str().unwrap()]);
+    let body = json!({"messages": [{"role": "system", "content": " Be brief. "},
+        {"role": "user", "content": "say <|im_end|> twice"}],
+        "max_tokens": 2, "temperature": 0, "return_token_ids": true});
+    let url = format!("{}/v1/chat/completions", server.url);
+    let (status, reply) = post(&url, body.to_string(), None).await;
+    assert_eq!(status, 200, "{reply}");
+    let ids: Vec<u32> = serde_json::from_value(reply["prompt_token_ids"].clone()).unwrap();
+    let codec = kiln::model::default_model::codec();
+    assert_eq!(
+        codec.decode_with_special(&ids).unwrap(),
+        "[BOS]### SYSTEM\nBe brief.<|im_end|>### USER\nsay <|im_end|> twice<|im_end|>### ASSISTANT\n"
+    );
+    let end = codec.token_id("<|im_end|>").unwrap();
+    assert_eq!(
+        ids.iter().filter(|&&t| t == end).count(),
+        2,
+        "the user's <|im_end|> stays text: {ids:?}"
+    );
+}
+
+/// A thinking model's reply: what it writes between `<think>` and `</think>` comes back as
+/// `reasoning_content`, whole and streamed, and the rest as `content`; with
+/// `separate_reasoning: false` all of it is content. The model is scripted (the tiny one
+/// made to follow `<think>` a b `</think>` c [EOS]) with two special tokens respelled as the
+/// think tokens, and a template whose generation prompt opens the reasoning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thinking_models_reasoning_comes_apart_from_its_answer() {
+    let codec = kiln::model::default_model::codec();
+    let one = |s: &str| -> usize {
+        let ids = codec.encode(s).unwrap();
+        assert_eq!(ids.len(), 1, "{s} is one token");
+        ids[0] as usize
+    };
+    let (open, close, eos) = (12, 3, 1); // [PAD] and <|im_user|> respelled; [EOS]
+    let (a, b, c) = (one("H"), one("m"), one("!"));
+    let script = [(open, a), (a, b), (b, close), (close, c)];
+    let classes: std::collections::HashSet<usize> = script.iter().map(|(t, _)| t % 128).collect();
+    assert_eq!(classes.len(), script.len(), "distinct embedding dimensions");
+    let dir = tempfile::tempdir().unwrap();
+    common::scripted_model(dir.path(), |d| {
+        (script.iter().find(|(t, _)| t % 128 == d)).map_or(eos, |&(_, n)| n)
+    });
+    let tokenizer = std::fs::read_to_string(dir.path().join("tokenizer.json")).unwrap();
+    let tokenizer = tokenizer
+        .replace("\"[PAD]\"", "\"<think>\"")
+        .replace("\"<|im_user|>\"", "\"</think>\"");
+    std::fs::write(dir.path().join("tokenizer.json"), tokenizer).unwrap();
+    let template = "{% for m in messages %}{{ m.content }}{% endfor %}<think>";
+    let config = json!({"chat_template": template, "eos_token": "[EOS]"});
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let server = Server::start(&["--model", dir.path().to_str().unwrap()]);
+    let url = format!("{}/v1/chat/completions", server.url);
+    let ask = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
+                     "temperature": 0});
+
+    let (status, reply) = post(&url, ask.to_string(), None).await;
+    assert_eq!(status, 200, "{reply}");
+    let message = &reply["choices"][0]["message"];
+    assert_eq!(message["reasoning_content"], "Hm", "{reply}");
+    assert_eq!(message["content"], "!", "{reply}");
+    assert_eq!(reply["usage"]["completion_tokens"], 4, "{reply}"); // H m </think> !
+
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let text = common::post_text(&url, &streamed).await;
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        let delta = &chunk["choices"][0]["delta"];
+        reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or(""));
+        content.push_str(delta["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!((reasoning.as_str(), content.as_str()), ("Hm", "!"), "{text}");
+
+    let mut together = ask.clone();
+    together["separate_reasoning"] = json!(false);
+    let (status, reply) = post(&url, together.to_string(), None).await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["message"]["content"], "Hm!", "{reply}");
+    assert!(reply["choices"][0]["message"].get("reasoning_content").is_none(), "{reply}");
+}

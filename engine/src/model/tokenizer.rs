@@ -14,6 +14,9 @@ pub struct TextCodec {
     plain: tokenizers::Tokenizer,
     /// `chat_template` from `tokenizer_config.json`, if any.
     pub chat_template: Option<String>,
+    /// `bos_token` and `eos_token` from `tokenizer_config.json` (templates write them).
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
 }
 
 fn tok_error(path: &Path, e: impl std::fmt::Display) -> LoadError {
@@ -60,7 +63,17 @@ impl TextCodec {
             .and_then(|v| v.get("chat_template"))
             .and_then(|t| t.as_str())
             .map(str::to_string);
-        Ok(Self::from_tokenizer(tokenizer, chat_template))
+        // A special token is written as its string or as an AddedToken's dict.
+        let token = |key: &str| {
+            let v = config.as_ref()?.get(key)?;
+            v.as_str()
+                .or_else(|| v.get("content")?.as_str())
+                .map(str::to_string)
+        };
+        let mut codec = Self::from_tokenizer(tokenizer, chat_template);
+        codec.bos_token = token("bos_token");
+        codec.eos_token = token("eos_token");
+        Ok(codec)
     }
 
     /// A tokenizer from the text of a `tokenizer.json`.
@@ -77,7 +90,17 @@ impl TextCodec {
             tokenizer,
             plain,
             chat_template,
+            bos_token: None,
+            eos_token: None,
         }
+    }
+
+    /// The added tokens (Kimi's and chat formats' special tokens among them) and their ids:
+    /// the strings that `encode` turns into single tokens.
+    pub fn added_tokens(&self) -> Vec<(String, u32)> {
+        (self.tokenizer.get_added_tokens_decoder().into_iter())
+            .map(|(id, t)| (t.content, id))
+            .collect()
     }
 
     /// The id of a (special) token, if the vocabulary has it.

@@ -129,8 +129,7 @@ fn chat_messages(
     let message = |role: &str, text: String| ChatMessage {
         role: role.into(),
         content: Some(Content::Text(text)),
-        tool_calls: None,
-        tool_call_id: None,
+        ..Default::default()
     };
     let mut out: Vec<ChatMessage> = system
         .map(|s| message("system", s.text()))

@@ -1,8 +1,6 @@
-//! Kimi's chat format (ANCHORS.md): messages and tool declarations rendered to token ids,
-//! and tool calls parsed back out of generated ids into OpenAI `tool_calls`.
-//!
-//! Rendering works on token ids: the format's special tokens go in by id and message text
-//! is encoded as plain text, so a user who types `<|im_end|>` cannot end a turn.
+//! Kimi's chat format (ANCHORS.md): its special tokens, tool calls parsed back out of
+//! generated ids into OpenAI `tool_calls`, and (in tests) the conversation written out by
+//! hand, the oracle of the template the server renders ([`super::chat_template`]).
 //!
 //! ```text
 //! <|im_system|>tool_declare<|im_middle|>[tools json]<|im_end|>
@@ -18,8 +16,9 @@ use serde::{Deserialize, Serialize};
 use super::tools::Forced;
 use crate::model::tokenizer::TextCodec;
 
-/// A chat message as OpenAI's API sends it.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+/// A chat message as OpenAI's API sends it (with a thinking model's reasoning on an
+/// assistant turn, as DeepSeek's API names it or as `reasoning`).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 pub struct ChatMessage {
     pub role: String,
     #[serde(default)]
@@ -28,6 +27,8 @@ pub struct ChatMessage {
     pub tool_calls: Option<Vec<ToolCall>>,
     #[serde(default)]
     pub tool_call_id: Option<String>,
+    #[serde(default, alias = "reasoning")]
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessage {
@@ -45,7 +46,12 @@ impl ChatMessage {
         let calls: usize = (self.tool_calls.iter().flatten())
             .map(|c| c.id.len() + c.function.name.len() + c.function.arguments.len())
             .sum();
-        self.role.len() + content + calls + self.tool_call_id.as_ref().map_or(0, String::len)
+        let reasoning = self.reasoning_content.as_ref().map_or(0, String::len);
+        self.role.len()
+            + content
+            + calls
+            + self.tool_call_id.as_ref().map_or(0, String::len)
+            + reasoning
     }
 }
 
@@ -102,12 +108,7 @@ const TOKENS: [&str; 10] = [
 #[derive(Clone, Debug)]
 pub struct KimiFormat {
     end: u32,
-    user: u32,
-    assistant: u32,
-    system: u32,
-    middle: u32,
     section_begin: u32,
-    section_end: u32,
     call_begin: u32,
     argument_begin: u32,
     call_end: u32,
@@ -129,71 +130,11 @@ impl KimiFormat {
         let id = |i: usize| ids[i].expect("checked above");
         Ok(KimiFormat {
             end: id(0),
-            user: id(1),
-            assistant: id(2),
-            system: id(3),
-            middle: id(4),
             section_begin: id(5),
-            section_end: id(6),
             call_begin: id(7),
             argument_begin: id(8),
             call_end: id(9),
         })
-    }
-
-    /// Token ids of the conversation followed by the generation prompt.
-    pub fn render(
-        &self,
-        codec: &TextCodec,
-        messages: &[ChatMessage],
-        tools: Option<&serde_json::Value>,
-    ) -> Result<Vec<u32>, String> {
-        let mut ids = Vec::new();
-        let text = |ids: &mut Vec<u32>, s: &str| -> Result<(), String> {
-            ids.extend(codec.encode_plain(s)?);
-            Ok(())
-        };
-        let open = |ids: &mut Vec<u32>, who: u32, role: &str| -> Result<(), String> {
-            ids.push(who);
-            ids.extend(codec.encode_plain(role)?);
-            ids.push(self.middle);
-            Ok(())
-        };
-        if let Some(tools) = tools.filter(|t| t.as_array().is_some_and(|a| !a.is_empty())) {
-            open(&mut ids, self.system, "tool_declare")?;
-            text(&mut ids, &tools.to_string())?;
-            ids.push(self.end);
-        }
-        for (i, m) in messages.iter().enumerate() {
-            let content =
-                content_text(m.content.as_ref()).map_err(|e| format!("messages[{i}]: {e}"))?;
-            match m.role.as_str() {
-                "system" | "developer" => open(&mut ids, self.system, "system")?,
-                "user" => open(&mut ids, self.user, "user")?,
-                "assistant" => open(&mut ids, self.assistant, "assistant")?,
-                "tool" => {
-                    open(&mut ids, self.system, "tool")?;
-                    let call = m.tool_call_id.as_deref().unwrap_or("");
-                    text(&mut ids, &format!("## Return of {call}\n"))?;
-                }
-                other => return Err(format!("messages[{i}]: unknown role `{other}`")),
-            }
-            text(&mut ids, &content)?;
-            if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_empty()) {
-                ids.push(self.section_begin);
-                for c in calls {
-                    ids.push(self.call_begin);
-                    text(&mut ids, &c.id)?;
-                    ids.push(self.argument_begin);
-                    text(&mut ids, &c.function.arguments)?;
-                    ids.push(self.call_end);
-                }
-                ids.push(self.section_end);
-            }
-            ids.push(self.end);
-        }
-        open(&mut ids, self.assistant, "assistant")?;
-        Ok(ids)
     }
 
     /// The token that starts a tool-call section (the content ends there).
@@ -269,6 +210,89 @@ impl KimiFormat {
     }
 }
 
+/// Token ids of a conversation in Kimi's format followed by the generation prompt, written out by
+/// hand: the oracle the served template ([`super::chat_template::KIMI_TEMPLATE`]) is
+/// tested against. Text between two special tokens is encoded as one plain string, as
+/// a rendered template's is.
+#[cfg(test)]
+pub(super) fn render_by_hand(
+    codec: &TextCodec,
+    messages: &[ChatMessage],
+    tools: Option<&serde_json::Value>,
+) -> Result<Vec<u32>, String> {
+    enum Piece {
+        Special(u32),
+        Text(String),
+    }
+    use Piece::{Special, Text};
+    let id = |t: &str| codec.token_id(t).ok_or(format!("no {t} in the vocabulary"));
+    let (end, middle) = (id("<|im_end|>")?, id("<|im_middle|>")?);
+    let (user, assistant, system) = (
+        id("<|im_user|>")?,
+        id("<|im_assistant|>")?,
+        id("<|im_system|>")?,
+    );
+    let (section_begin, section_end) = (
+        id("<|tool_calls_section_begin|>")?,
+        id("<|tool_calls_section_end|>")?,
+    );
+    let (call_begin, argument_begin, call_end) = (
+        id("<|tool_call_begin|>")?,
+        id("<|tool_call_argument_begin|>")?,
+        id("<|tool_call_end|>")?,
+    );
+    let mut pieces = Vec::new();
+    let open = |pieces: &mut Vec<Piece>, who: u32, role: &str| {
+        pieces.extend([Special(who), Text(role.into()), Special(middle)]);
+    };
+    if let Some(tools) = tools.filter(|t| t.as_array().is_some_and(|a| !a.is_empty())) {
+        open(&mut pieces, system, "tool_declare");
+        pieces.extend([Text(tools.to_string()), Special(end)]);
+    }
+    for (i, m) in messages.iter().enumerate() {
+        let content =
+            content_text(m.content.as_ref()).map_err(|e| format!("messages[{i}]: {e}"))?;
+        match m.role.as_str() {
+            "system" | "developer" => open(&mut pieces, system, "system"),
+            "user" => open(&mut pieces, user, "user"),
+            "assistant" => open(&mut pieces, assistant, "assistant"),
+            "tool" => {
+                open(&mut pieces, system, "tool");
+                let call = m.tool_call_id.as_deref().unwrap_or("");
+                pieces.push(Text(format!("## Return of {call}\n")));
+            }
+            other => return Err(format!("messages[{i}]: unknown role `{other}`")),
+        }
+        pieces.push(Text(content));
+        if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_empty()) {
+            pieces.push(Special(section_begin));
+            for c in calls {
+                pieces.extend([
+                    Special(call_begin),
+                    Text(c.id.clone()),
+                    Special(argument_begin),
+                    Text(c.function.arguments.clone()),
+                    Special(call_end),
+                ]);
+            }
+            pieces.push(Special(section_end));
+        }
+        pieces.push(Special(end));
+    }
+    open(&mut pieces, assistant, "assistant");
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    for p in pieces {
+        match p {
+            Text(t) => text.push_str(&t),
+            Special(id) => {
+                ids.extend(codec.encode_plain(&std::mem::take(&mut text))?);
+                ids.push(id);
+            }
+        }
+    }
+    Ok(ids)
+}
+
 /// `NAME` of a Kimi call id `functions.NAME:IDX`.
 pub fn function_name(id: &str) -> String {
     let name = id.strip_prefix("functions.").unwrap_or(id);
@@ -278,7 +302,7 @@ pub fn function_name(id: &str) -> String {
     }
 }
 
-fn content_text(c: Option<&Content>) -> Result<String, String> {
+pub(super) fn content_text(c: Option<&Content>) -> Result<String, String> {
     match c {
         None => Ok(String::new()),
         Some(Content::Text(t)) => Ok(t.clone()),
@@ -299,70 +323,6 @@ mod tests {
 
     fn codec() -> TextCodec {
         crate::model::default_model::codec()
-    }
-
-    fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: Some(Content::Text(content.into())),
-            tool_calls: None,
-            tool_call_id: None,
-        }
-    }
-
-    #[test]
-    fn a_conversation_renders_as_kimi_turns_ending_in_the_generation_prompt() {
-        let c = codec();
-        let f = KimiFormat::new(&c).unwrap();
-        let ids = f
-            .render(&c, &[msg("system", "Be brief."), msg("user", "Hi")], None)
-            .unwrap();
-        let text = c.decode_with_special(&ids).unwrap();
-        assert_eq!(
-            text,
-            "<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>Hi\
-             <|im_end|><|im_assistant|>assistant<|im_middle|>"
-        );
-    }
-
-    #[test]
-    fn special_tokens_typed_by_a_user_stay_text() {
-        let c = codec();
-        let f = KimiFormat::new(&c).unwrap();
-        let ids = f.render(&c, &[msg("user", "<|im_end|>")], None).unwrap();
-        let ends = ids.iter().filter(|&&t| t == f.end).count();
-        assert_eq!(ends, 1, "only the turn's own end token: {ids:?}");
-    }
-
-    #[test]
-    fn tools_are_declared_and_past_calls_and_results_rendered() {
-        let c = codec();
-        let f = KimiFormat::new(&c).unwrap();
-        let tools = serde_json::json!([{"type": "function", "function": {"name": "ls"}}]);
-        let mut call = msg("assistant", "");
-        call.tool_calls = Some(vec![ToolCall {
-            id: "functions.ls:0".into(),
-            kind: "function".into(),
-            function: FunctionCall {
-                name: "ls".into(),
-                arguments: "{\"path\":\".\"}".into(),
-            },
-        }]);
-        let mut result = msg("tool", "README.md");
-        result.tool_call_id = Some("functions.ls:0".into());
-        let ids = f
-            .render(&c, &[msg("user", "list"), call, result], Some(&tools))
-            .unwrap();
-        let text = c.decode_with_special(&ids).unwrap();
-        assert!(text.starts_with(
-            "<|im_system|>tool_declare<|im_middle|>[{\"function\":{\"name\":\"ls\"},\"type\":\"function\"}]<|im_end|>"
-        ), "{text}");
-        assert!(text.contains(
-            "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>functions.ls:0<|tool_call_argument_begin|>{\"path\":\".\"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
-        ), "{text}");
-        assert!(text.contains(
-            "<|im_system|>tool<|im_middle|>## Return of functions.ls:0\nREADME.md<|im_end|>"
-        ));
     }
 
     #[test]
@@ -390,23 +350,5 @@ mod tests {
             .encode("<|tool_calls_section_begin|><|tool_call_begin|>functions.ls:0<|tool_call_argument_begin|>{\"pa")
             .unwrap();
         assert!(f.parse_calls(&c, &out).is_empty());
-    }
-
-    #[test]
-    fn image_parts_are_refused_with_the_message_index() {
-        let c = codec();
-        let f = KimiFormat::new(&c).unwrap();
-        let m = ChatMessage {
-            content: Some(Content::Parts(vec![ContentPart {
-                kind: "image_url".into(),
-                text: None,
-            }])),
-            ..msg("user", "")
-        };
-        let err = f.render(&c, &[m], None).unwrap_err();
-        assert!(
-            err.contains("messages[0]") && err.contains("image_url"),
-            "{err}"
-        );
     }
 }

@@ -63,11 +63,6 @@ impl Detokenizer {
         self.stopped.as_deref()
     }
 
-    /// Ids pushed so far.
-    pub fn ids(&self) -> &[u32] {
-        &self.ids
-    }
-
     /// Adds a token; returns the text that is now final. After a stop string, nothing.
     pub fn push(&mut self, id: u32) -> String {
         if self.stopped() {

@@ -13,6 +13,7 @@
 mod anthropic;
 mod call_stream;
 mod chat_format;
+mod chat_template;
 mod choices;
 mod detok;
 mod error;
@@ -20,6 +21,7 @@ mod fields;
 mod generate;
 mod logprobs;
 mod openai;
+mod reasoning;
 mod responses;
 mod run;
 mod tools;
@@ -38,7 +40,9 @@ use serde_json::json;
 use tokio::sync::{watch, Semaphore};
 
 pub use chat_format::{ChatMessage, KimiFormat};
+pub use chat_template::{ChatTemplate, KIMI_TEMPLATE};
 pub use error::ApiError;
+pub use reasoning::ThinkTokens;
 
 use crate::engine::EngineHandle;
 use crate::model::tokenizer::TextCodec;
@@ -50,8 +54,14 @@ pub const MAX_BODY_BYTES: usize = 8 << 20;
 pub struct AppState {
     pub engine: EngineHandle,
     pub codec: Arc<TextCodec>,
-    /// Kimi's chat format over the tokenizer, if it has the chat tokens.
+    /// How chats become prompts: the checkpoint's template (or Kimi's, for a tokenizer with
+    /// Kimi's chat tokens and no template); without one the chat endpoints refuse.
+    pub template: Option<ChatTemplate>,
+    /// Kimi's chat tokens, if the tokenizer has them: where a reply's turn ends and how
+    /// its tool calls are written.
     pub chat: Option<KimiFormat>,
+    /// A thinking model's think tokens: its replies' reasoning is split from the answer.
+    pub think: Option<ThinkTokens>,
     pub model_name: String,
     pub api_key: Option<String>,
     /// Requests the server holds at once (running plus waiting); beyond it new ones get 503.
@@ -79,6 +89,7 @@ impl AppState {
     pub fn new(
         engine: EngineHandle,
         codec: Arc<TextCodec>,
+        template: Option<ChatTemplate>,
         chat: Option<KimiFormat>,
         model_name: String,
         api_key: Option<String>,
@@ -92,8 +103,10 @@ impl AppState {
             std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1));
         AppState {
             max_token_bytes: codec.max_token_bytes(),
+            think: ThinkTokens::find(&codec),
             engine,
             codec,
+            template,
             chat,
             model_name,
             api_key,

@@ -9,11 +9,14 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::call_stream::CallStream;
+use super::chat_format::KimiFormat;
 use super::chat_format::{ChatMessage, ToolCall};
+use super::chat_template::ChatTemplate;
 use super::choices::{collect_all, start_choices, Total};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, OPENAI};
 use super::logprobs::{chat_logprobs, completion_logprobs};
+use super::reasoning::{Reasoning, ThinkTokens};
 use super::run::{
     prepare, sse_choices, Outcome, Piece, Pieces, RawSampling, Stop, MAX_TOP_LOGPROBS, OPENAI_NAMES,
 };
@@ -141,6 +144,9 @@ pub struct ChatRequest {
     messages: Vec<ChatMessage>,
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    /// SGLang's switch: `false` keeps a thinking model's reasoning in `content`.
+    #[serde(default = "yes")]
+    separate_reasoning: bool,
     #[serde(flatten)]
     common: Common,
 }
@@ -203,6 +209,7 @@ pub async fn completions(
                     text,
                     ids,
                     logprobs,
+                    ..
                 }) => {
                     let mut choice = json!({"index": i, "text": text, "finish_reason": null});
                     if logprobs_wanted {
@@ -302,6 +309,12 @@ pub async fn chat(
     let choices = start_choices(&state, &p, session_id(&headers), end_of_text)?
         .into_iter()
         .map(|pieces| forced_pieces(tools.as_ref(), pieces))
+        .map(
+            |pieces| match state.think.filter(|_| req.separate_reasoning) {
+                Some(think) => pieces.split_reasoning(reasoning(&state, think, &p.prompt)),
+                None => pieces,
+            },
+        )
         .collect();
     let reply = Reply {
         id: format!("chatcmpl-{}", p.id),
@@ -368,10 +381,15 @@ fn chat_stream(state: SharedState, choices: Vec<Pieces>, reply: Reply) -> Respon
             }
             Ok(Piece::Delta {
                 text,
+                reasoning,
                 ids,
                 logprobs,
             }) => {
-                let mut delta = json!({"content": text});
+                let mut delta = match (text.is_empty(), reasoning.is_empty()) {
+                    (true, false) => json!({"reasoning_content": reasoning}),
+                    (_, true) => json!({"content": text}),
+                    (false, false) => json!({"content": text, "reasoning_content": reasoning}),
+                };
                 if reply.ids_wanted {
                     delta["token_ids"] = json!(ids);
                 }
@@ -417,6 +435,9 @@ async fn chat_whole(
     for (i, (pieces, (text, outcome))) in choices.iter().zip(ended).enumerate() {
         let calls = tool_calls(state, reply.tools.as_ref(), pieces.ids());
         let mut message = json!({"role": "assistant", "content": text});
+        if let Some(reasoning) = pieces.reasoning() {
+            message["reasoning_content"] = json!(reasoning);
+        }
         let finish = if calls.is_empty() || outcome.reason == FinishReason::Length {
             outcome.reason.as_str()
         } else {
@@ -452,10 +473,16 @@ pub(super) async fn chat_prompt(
     tools: Option<&Tools>,
     field: &'static str,
 ) -> Result<Vec<u32>, ApiError> {
-    if state.chat.is_none() {
+    if state.template.is_none() {
         return Err(ApiError::invalid(
-            "this model's tokenizer has no chat format",
+            "this model has no chat template (tokenizer_config.json's chat_template)",
             Some(field),
+        ));
+    }
+    if tools.is_some() && state.chat.is_none() {
+        return Err(ApiError::invalid(
+            "tool calls are read in Kimi's format, and this model's tokenizer lacks its tokens",
+            Some("tools"),
         ));
     }
     let bytes: usize = messages.iter().map(ChatMessage::text_bytes).sum();
@@ -463,14 +490,25 @@ pub(super) async fn chat_prompt(
     let forced = forced_prefix(state, tools);
     state
         .tokenize(bytes, field, move || {
-            let format = st.chat.as_ref().expect("checked above");
-            let mut ids = format
-                .render(&st.codec, &messages, declared.as_ref())
+            let template = st.template.as_ref().expect("checked above");
+            let mut ids = template
+                .prompt(&st.codec, &messages, declared.as_ref())
                 .map_err(|m| ApiError::invalid(m, Some(field)))?;
             ids.extend(forced);
             Ok(ids)
         })
         .await
+}
+
+/// The split of a thinking model's reply to `prompt` into reasoning and answer; a
+/// tool-call section ends the reasoning too.
+pub(super) fn reasoning(state: &AppState, think: ThinkTokens, prompt: &[u32]) -> Reasoning {
+    let section = state.chat.as_ref().map(KimiFormat::section_begin);
+    Reasoning::new(state.codec.clone(), think, section, prompt)
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The ids a reply forced to call a tool starts from (after the prompt; none otherwise).
@@ -489,16 +527,19 @@ pub(super) fn forced_pieces(tools: Option<&Tools>, mut pieces: Pieces) -> Pieces
     pieces
 }
 
-/// Where a chat reply ends: `stops` plus its turn's end (whatever the model's config lists
-/// as end-of-sequence) and, without tools on offer, a tool-call section's start (its
-/// marker is not text); and the id after which there is no more text (with tools: that
-/// section's start). Only after [`chat_prompt`], which checks the model has a chat format.
+/// Where a chat reply ends: `stops` plus its turn's end (Kimi's `<|im_end|>`, the
+/// template's `eos_token`, and whatever the model's config lists as end-of-sequence) and,
+/// without tools on offer, a tool-call section's start (its marker is not text); and the id
+/// after which there is no more text (with tools: that section's start).
 pub(super) fn reply_ends(
     state: &AppState,
     tools: Option<&Tools>,
     mut stops: Vec<u32>,
 ) -> (Vec<u32>, Option<u32>) {
-    let format = state.chat.as_ref().expect("checked by chat_prompt");
+    stops.extend(state.template.as_ref().and_then(ChatTemplate::eos_id));
+    let Some(format) = state.chat.as_ref() else {
+        return (stops, None);
+    };
     stops.push(format.turn_end());
     if tools.is_none() {
         stops.push(format.section_begin());

@@ -121,8 +121,7 @@ fn chat_messages(instructions: Option<String>, input: Input) -> Result<Vec<ChatM
     let message = |role: &str, text: String| ChatMessage {
         role: role.into(),
         content: Some(Content::Text(text)),
-        tool_calls: None,
-        tool_call_id: None,
+        ..Default::default()
     };
     let mut out: Vec<ChatMessage> = instructions
         .map(|i| message("system", i))

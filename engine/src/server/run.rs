@@ -12,6 +12,7 @@ use tokio::sync::watch;
 
 use super::detok::Detokenizer;
 use super::error::ApiError;
+use super::reasoning::{Reasoning, Route};
 use super::AppState;
 use crate::scheduler::{
     Event, FinishReason, SamplingParams, Submission, TokenLogprobs, Usage, EVENT_BUFFER,
@@ -267,9 +268,11 @@ pub fn submit(
 
 /// What a generation produced so far, piece by piece.
 pub enum Piece {
-    /// New text, the ids it came from and their log-probabilities (when asked for).
+    /// New text, the ids it came from and their log-probabilities (when asked for); a
+    /// thinking model's new reasoning goes apart from its answer's text.
     Delta {
         text: String,
+        reasoning: String,
         ids: Vec<u32>,
         logprobs: Vec<TokenLogprobs>,
     },
@@ -294,7 +297,12 @@ pub struct Pieces {
     deadline: watch::Receiver<bool>,
     /// Tells the engine the request ended here (a stop string) when `rx` closes.
     ended_by_client: Arc<AtomicBool>,
+    /// The answer's text.
     detok: Detokenizer,
+    /// The reasoning's, when a thinking model's reasoning is split off.
+    reasoning: Option<Reasoning>,
+    /// Every generated id.
+    ids: Vec<u32>,
     prompt_tokens: usize,
     cached_tokens: usize,
     logprobs: Vec<TokenLogprobs>,
@@ -317,6 +325,8 @@ impl Pieces {
             deadline,
             ended_by_client,
             detok,
+            reasoning: None,
+            ids: Vec::new(),
             prompt_tokens,
             cached_tokens: 0,
             logprobs: Vec::new(),
@@ -327,7 +337,18 @@ impl Pieces {
 
     /// All ids generated so far.
     pub fn ids(&self) -> &[u32] {
-        self.detok.ids()
+        &self.ids
+    }
+
+    /// Splits a thinking model's reasoning from its answer: pieces carry it apart.
+    pub fn split_reasoning(mut self, reasoning: Reasoning) -> Self {
+        self.reasoning = Some(reasoning);
+        self
+    }
+
+    /// The reasoning so far, when it is split off.
+    pub fn reasoning(&self) -> Option<&str> {
+        self.reasoning.as_ref().map(Reasoning::text)
     }
 
     /// No text from here on: the pieces carry ids only (a reply forced into a tool call).
@@ -373,11 +394,17 @@ impl Pieces {
         match event {
             Some(Event::Admitted { cached_tokens }) => self.cached_tokens = cached_tokens,
             Some(Event::Token(t, logprobs)) => {
-                let text = self.detok.push(t);
+                self.ids.push(t);
+                let (text, reasoning) = match self.reasoning.as_mut().map(|r| r.route(t)) {
+                    Some(Route::Reasoning(r)) => (String::new(), r),
+                    Some(Route::Answer(rest)) => (self.detok.push(t), rest),
+                    None => (self.detok.push(t), String::new()),
+                };
                 let logprobs: Vec<TokenLogprobs> = logprobs.map(|l| *l).into_iter().collect();
                 self.logprobs.extend(logprobs.iter().cloned());
                 self.ready.push_back(Ok(Piece::Delta {
                     text,
+                    reasoning,
                     ids: vec![t],
                     logprobs,
                 }));
@@ -387,17 +414,19 @@ impl Pieces {
                     let usage = Usage {
                         prompt_tokens: self.prompt_tokens,
                         cached_tokens: self.cached_tokens,
-                        completion_tokens: self.detok.ids().len(),
+                        completion_tokens: self.ids.len(),
                         ..Usage::default()
                     };
                     self.end(FinishReason::Stop, usage);
                 }
             }
             Some(Event::Finished { reason, usage }) => {
+                let reasoning = (self.reasoning.as_mut()).map_or(String::new(), Reasoning::finish);
                 let text = self.detok.finish();
-                if !text.is_empty() {
+                if !text.is_empty() || !reasoning.is_empty() {
                     self.ready.push_back(Ok(Piece::Delta {
                         text,
+                        reasoning,
                         ids: vec![],
                         logprobs: vec![],
                     }));

@@ -4,6 +4,8 @@
 #![allow(dead_code)]
 pub mod server;
 
+use std::path::Path;
+
 use serde_json::Value;
 
 /// POSTs a JSON `body` (with `Authorization: Bearer KEY` when given): the status and the
@@ -72,4 +74,42 @@ pub fn run_python_client(script: &str, url: &str, module: &str, pin: &str) {
     );
     assert!(out.status.success(), "{stderr}");
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("ok"));
+}
+
+/// The embedded tiny model made to follow a script: after token `t` it generates
+/// `next(t % hidden)` (greedy). Embeddings are one-hot (token `t` at dimension `t % hidden`)
+/// and every block's output projections zero, so the final hidden state is the last
+/// token's embedding, normalized; `lm_head` maps each dimension to its successor.
+pub fn scripted_model(dir: &Path, next: impl Fn(usize) -> usize) {
+    kiln::model::default_model::write(dir).expect("default model");
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let bf16 = |v: bool| half::bf16::from_f32(if v { 1.0 } else { 0.0 }).to_le_bytes();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let shape = view.shape().to_vec();
+            let (rows, cols) = (shape[0], shape.get(1).copied().unwrap_or(1));
+            let cells = (0..rows).flat_map(|r| (0..cols).map(move |c| (r, c)));
+            let data: Vec<u8> = if name == "model.embed_tokens.weight" {
+                cells.flat_map(|(t, d)| bf16(t % cols == d)).collect()
+            } else if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+                vec![0; view.data().len()]
+            } else if name == "lm_head.weight" {
+                cells.flat_map(|(t, d)| bf16(next(d) == t)).collect()
+            } else {
+                view.data().to_vec()
+            };
+            (name, shape, data)
+        })
+        .collect();
+    let views = tensors.iter().map(|(name, shape, data)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), data)
+                .unwrap();
+        (name.clone(), view)
+    });
+    safetensors::serialize_to_file(views, None, &path).unwrap();
 }
