@@ -115,6 +115,7 @@ fn scheduling(c: &mut Criterion) {
             session: None,
             events,
             ended_by_client: Default::default(),
+            constraint: None,
         });
     }
     // Prefill everyone (2048-token steps) until all 256 decode.

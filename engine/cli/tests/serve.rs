@@ -687,12 +687,21 @@ async fn a_thinking_models_reasoning_comes_apart_from_its_answer() {
         reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or(""));
         content.push_str(delta["content"].as_str().unwrap_or(""));
     }
-    assert_eq!((reasoning.as_str(), content.as_str()), ("Hm", "!"), "{text}");
+    assert_eq!(
+        (reasoning.as_str(), content.as_str()),
+        ("Hm", "!"),
+        "{text}"
+    );
 
     let mut together = ask.clone();
     together["separate_reasoning"] = json!(false);
     let (status, reply) = post(&url, together.to_string(), None).await;
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["choices"][0]["message"]["content"], "Hm!", "{reply}");
-    assert!(reply["choices"][0]["message"].get("reasoning_content").is_none(), "{reply}");
+    assert!(
+        reply["choices"][0]["message"]
+            .get("reasoning_content")
+            .is_none(),
+        "{reply}"
+    );
 }

@@ -65,6 +65,30 @@ impl<'a> Scores<'a> {
     }
 }
 
+/// The next token of request `r` from this one row, drawn as `params` say, among the
+/// tokens its constraint allows when it has one (`eos`: the model's end-of-sequence ids).
+/// A constraint that fails is logged and dropped: the output goes on unconstrained.
+fn draw(r: &mut Request, row: Scores, params: &SamplingRow, eos: &[u32]) -> u32 {
+    let Some(c) = r.constraint.as_mut() else {
+        return row.sample(params);
+    };
+    let Scores::Logits(logits, _) = row else {
+        panic!("a constrained request's row without its logits")
+    };
+    match c.allowed() {
+        Ok(allowed) => {
+            let p = &r.params;
+            let is_stop = |t| (!p.ignore_eos && eos.contains(&t)) || p.stop_token_ids.contains(&t);
+            sample(&allowed.mask(logits, is_stop), params)
+        }
+        Err(e) => {
+            tracing::warn!(id = r.id, error = %e, "the output's constraint failed: dropped");
+            r.constraint = None;
+            row.sample(params)
+        }
+    }
+}
+
 impl Scheduler {
     /// Takes the scores of `step` (a row per slice, plus one per drafted token):
     /// advances each request, samples where a request's pending tokens are all computed
@@ -100,6 +124,7 @@ impl Scheduler {
             // it ends; in simulated-acceptance mode the path (first children) is drawn,
             // not checked.
             let draft = &slice.draft;
+            let eos = &self.cfg.eos_token_ids;
             let simulated = self.cfg.speculative.and_then(|s| s.simulated_accept_len);
             let kept = simulated.map(|l| simulated_accepts(l, draft.max_depth(), r.rng.uniform()));
             let (mut path, mut emitted) = (Vec::new(), Vec::new());
@@ -113,8 +138,8 @@ impl Scheduler {
                 let params = r.sampling_row(r.tokens.len() + emitted.len());
                 let chosen = match kept {
                     Some(k) if path.len() < k && !children.is_empty() => Ok(0),
-                    Some(_) => Err(row.sample(&params)),
-                    None if children.is_empty() => Err(row.sample(&params)),
+                    Some(_) => Err(draw(r, row, &params, eos)),
+                    None if children.is_empty() => Err(draw(r, row, &params, eos)),
                     None => row.verify(&tokens, &params, &mut r.rng),
                 };
                 let token = match chosen {
@@ -173,6 +198,15 @@ impl Scheduler {
                 r.tokens.push(token);
                 self.metrics.generation_tokens.add(1);
                 r.send(Event::Token(token, logprobs));
+                if let Some(c) = r.constraint.as_mut() {
+                    if let Err(e) = c.accept(token) {
+                        tracing::warn!(id = r.id, error = %e, "the output's constraint failed");
+                    }
+                    if c.is_complete() {
+                        reason = Some(FinishReason::Stop);
+                        break;
+                    }
+                }
                 if r.generated() >= r.params.max_tokens || r.tokens.len() >= self.cfg.context_len {
                     reason = Some(FinishReason::Length);
                     break;

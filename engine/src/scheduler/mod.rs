@@ -15,6 +15,7 @@
 //! tokens whose cache rows are in place (the path `0, 1, 2, ..` of the tree) and the rest,
 //! accepted or not, are rewritten by the next step.
 mod complete;
+pub mod constraint;
 pub mod policy;
 mod request;
 
@@ -282,7 +283,8 @@ impl Scheduler {
                 continue;
             }
             let row = r.sampling_row(r.tokens.len());
-            if (row.is_sampled() && !draft.is_empty()) || r.params.logprobs.is_some() {
+            let logits = r.params.logprobs.is_some() || r.constraint.is_some();
+            if (row.is_sampled() && !draft.is_empty()) || logits {
                 sampling = None;
             }
             if let Some(rows) = sampling.as_mut() {
@@ -392,6 +394,9 @@ impl Scheduler {
             return Draft::default();
         };
         let r = &self.running[i];
+        if r.constraint.is_some() {
+            return Draft::default();
+        }
         let room = r.events.capacity();
         // The budget past its pending tokens but one: `draft_len` keeps a token for that one.
         let budget = budget.saturating_sub(r.pending().saturating_sub(1));

@@ -8,6 +8,7 @@ use kiln_core::rng::Rng;
 use kiln_core::sampling::SamplingRow;
 use tokio::sync::mpsc::Sender;
 
+use super::constraint::Constraint;
 use crate::speculative::policy::Acceptance;
 
 /// How to pick tokens and when to stop.
@@ -123,6 +124,8 @@ pub struct Submission {
     /// Set by the client before it drops its receiver when the request ended on its side
     /// (its text reached a stop string): counted as finished, not aborted.
     pub ended_by_client: Arc<AtomicBool>,
+    /// What its output must match (a JSON schema's grammar), if anything.
+    pub constraint: Option<Box<dyn Constraint>>,
 }
 
 /// A request inside the scheduler.
@@ -143,6 +146,7 @@ pub(crate) struct Request {
     pub cached: Option<usize>,
     pub events: Sender<Event>,
     pub ended_by_client: Arc<AtomicBool>,
+    pub constraint: Option<Box<dyn Constraint>>,
     pub arrived: Instant,
     pub last_token_at: Option<Instant>,
     /// Since when the client has left no room for the next token (`None`: it reads).
@@ -168,6 +172,7 @@ impl Request {
             cached: None,
             events: s.events,
             ended_by_client: s.ended_by_client,
+            constraint: s.constraint,
             arrived: Instant::now(),
             last_token_at: None,
             stalled_since: None,

@@ -48,9 +48,6 @@ pub const OPENAI: &[&[Neutral]] = &[
         ("best_of", one),
         ("suffix", empty),
         ("parallel_tool_calls", yes),
-        ("response_format", |v| {
-            v == &serde_json::json!({"type": "text"})
-        }),
     ],
 ];
 
@@ -105,7 +102,7 @@ mod tests {
         assert_eq!(
             check(
                 json!({"user": "u", "frequency_penalty": 0, "logit_bias": {},
-                         "response_format": {"type": "text"}, "presence_penalty": null})
+                         "presence_penalty": null})
             ),
             Ok(())
         );
@@ -118,8 +115,8 @@ mod tests {
             Err("repetition_penalty".into())
         );
         assert_eq!(
-            check(json!({"response_format": {"type": "json_object"}})),
-            Err("response_format".into())
+            check(json!({"logit_bias": {"5": 10}})),
+            Err("logit_bias".into())
         );
         assert_eq!(check(json!({"temprature": 0.2})), Err("temprature".into()));
         let rest = json!({"presence_penalty": 0.3})

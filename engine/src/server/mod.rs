@@ -19,6 +19,7 @@ mod detok;
 mod error;
 mod fields;
 mod generate;
+mod grammar;
 mod logprobs;
 mod openai;
 mod reasoning;
@@ -42,10 +43,20 @@ use tokio::sync::{watch, Semaphore};
 pub use chat_format::{ChatMessage, KimiFormat};
 pub use chat_template::{ChatTemplate, KIMI_TEMPLATE};
 pub use error::ApiError;
+use grammar::Grammars;
 pub use reasoning::ThinkTokens;
 
 use crate::engine::EngineHandle;
 use crate::model::tokenizer::TextCodec;
+
+/// The structured-output grammars of a model: llguidance over its vocabulary, whose end is
+/// the model's first end-of-sequence id.
+fn grammars(codec: &Arc<TextCodec>, info: &crate::engine::ModelInfo) -> Option<Grammars> {
+    let end = *info.eos_token_ids.first()?;
+    Grammars::new(codec.clone(), info.vocab_size, end)
+        .inspect_err(|e| tracing::warn!("structured outputs unavailable: {e}"))
+        .ok()
+}
 
 /// Largest request body: a 100k-token prompt as JSON ids or text fits with room to spare.
 pub const MAX_BODY_BYTES: usize = 8 << 20;
@@ -62,6 +73,9 @@ pub struct AppState {
     pub chat: Option<KimiFormat>,
     /// A thinking model's think tokens: its replies' reasoning is split from the answer.
     pub think: Option<ThinkTokens>,
+    /// Grammars over the vocabulary, for structured outputs (`None` if llguidance could
+    /// not take the vocabulary).
+    pub grammars: Option<Grammars>,
     pub model_name: String,
     pub api_key: Option<String>,
     /// Requests the server holds at once (running plus waiting); beyond it new ones get 503.
@@ -104,6 +118,7 @@ impl AppState {
         AppState {
             max_token_bytes: codec.max_token_bytes(),
             think: ThinkTokens::find(&codec),
+            grammars: grammars(&codec, &engine.info),
             engine,
             codec,
             template,

@@ -15,6 +15,7 @@ use super::chat_template::ChatTemplate;
 use super::choices::{collect_all, start_choices, Total};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, OPENAI};
+use super::grammar::output_format;
 use super::logprobs::{chat_logprobs, completion_logprobs};
 use super::reasoning::{Reasoning, ThinkTokens};
 use super::run::{
@@ -63,6 +64,8 @@ pub struct Common {
     logprobs: Option<Value>,
     /// Chat's count of alternatives.
     top_logprobs: Option<i64>,
+    /// Structured output: `{"type": "json_object"}` or `{"type": "json_schema", ...}`.
+    response_format: Option<Value>,
     /// Every other field: refused unless harmless (see `fields`).
     #[serde(flatten)]
     rest: serde_json::Map<String, Value>,
@@ -180,7 +183,10 @@ pub async fn completions(
             ))
         }
     };
-    let p = prepare(&state, prompt, c.sampling(), "prompt").inspect_err(|_| state.rejected())?;
+    let mut p =
+        prepare(&state, prompt, c.sampling(), "prompt").inspect_err(|_| state.rejected())?;
+    p.grammar = output_format(&state, c.response_format.as_ref(), "response_format")
+        .inspect_err(|_| state.rejected())?;
     let prompt_ids = p.prompt.clone();
     let mut choices = start_choices(&state, &p, session_id(&headers), None)?;
     let (id, created, model) = (
@@ -305,7 +311,15 @@ pub async fn chat(
     let stops = sampling.stop_token_ids.take().unwrap_or_default();
     let (stops, end_of_text) = reply_ends(&state, tools.as_ref(), stops);
     sampling.stop_token_ids = Some(stops);
-    let p = prepare(&state, prompt, sampling, "messages").map_err(refused)?;
+    let mut p = prepare(&state, prompt, sampling, "messages").map_err(refused)?;
+    p.grammar =
+        output_format(&state, c.response_format.as_ref(), "response_format").map_err(refused)?;
+    if p.grammar.is_some() && tools.as_ref().is_some_and(|t| t.forced.is_some()) {
+        return Err(refused(ApiError::invalid(
+            "response_format cannot shape a reply forced into a tool call",
+            Some("response_format"),
+        )));
+    }
     let choices = start_choices(&state, &p, session_id(&headers), end_of_text)?
         .into_iter()
         .map(|pieces| forced_pieces(tools.as_ref(), pieces))

@@ -17,6 +17,7 @@ use super::call_stream::CallStream;
 use super::chat_format::{ChatMessage, Content, FunctionCall, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, PENALTIES};
+use super::grammar::output_format;
 use super::openai::{chat_prompt, collect, forced_pieces, forced_prefix, reply_ends, tool_calls};
 use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames};
 use super::tools;
@@ -242,15 +243,8 @@ fn refuse(rest: &Map<String, Value>) -> Result<(), ApiError> {
     ] {
         rest.remove(harmless);
     }
-    if let Some(text) = rest.remove("text") {
-        let format = text.pointer("/format/type").and_then(Value::as_str);
-        if format.is_some_and(|f| f != "text") {
-            return Err(invalid(
-                "text.format: only plain text output is supported",
-                "text",
-            ));
-        }
-    }
+    // `text.format`: structured output, read by the handler.
+    rest.remove("text");
     if let Some(reasoning) = rest.remove("reasoning") {
         if !reasoning.is_null() {
             return Err(invalid(
@@ -306,7 +300,9 @@ pub async fn responses(
         ignore_eos: None,
         logprobs: None,
     };
-    let p = prepare(&state, prompt, sampling, "input").map_err(refused)?;
+    let mut p = prepare(&state, prompt, sampling, "input").map_err(refused)?;
+    let format = req.rest.get("text").and_then(|t| t.get("format"));
+    p.grammar = output_format(&state, format, "text.format").map_err(refused)?;
     let pieces = start(&state, &p, session_id(&headers), end_of_text)?;
     let mut pieces = forced_pieces(tools.as_ref(), pieces);
     let head = Head {

@@ -12,6 +12,7 @@ use tokio::sync::watch;
 
 use super::detok::Detokenizer;
 use super::error::ApiError;
+use super::grammar::Grammar;
 use super::reasoning::{Reasoning, Route};
 use super::AppState;
 use crate::scheduler::{
@@ -99,6 +100,8 @@ pub struct Prepared {
     /// Completions asked for (`n`): choice `i` is its own engine request, seeded
     /// `seed + i` ([`Prepared::choices`]).
     pub n: usize,
+    /// What the output must match (each choice follows it with its own matcher).
+    pub grammar: Option<Grammar>,
 }
 
 /// Most completions one request may ask for (`n`).
@@ -208,6 +211,7 @@ pub fn prepare(
         },
         stops: raw.stop.map(Stop::into_vec).unwrap_or_default(),
         n,
+        grammar: None,
     })
 }
 
@@ -249,6 +253,8 @@ pub fn submit(
             ),
         ));
     };
+    let constraint = (p.grammar.as_ref().map(Grammar::start).transpose())
+        .map_err(|e| ApiError::invalid(e, Some("response_format")))?;
     tracing::info!(id = p.id, session = ?session, prompt_tokens = p.prompt.len(), "request");
     let (events, rx) = channel(EVENT_BUFFER);
     let ended_by_client = Arc::new(AtomicBool::new(false));
@@ -261,6 +267,7 @@ pub fn submit(
             session,
             events,
             ended_by_client: ended_by_client.clone(),
+            constraint,
         })
         .map_err(|m| ApiError::with_status(StatusCode::SERVICE_UNAVAILABLE, "engine_stopped", m))?;
     Ok((slot, rx, ended_by_client))

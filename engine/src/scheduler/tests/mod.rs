@@ -213,6 +213,7 @@ impl Run {
             session: None,
             events: tx,
             ended_by_client: Default::default(),
+            constraint: None,
         });
         rx
     }

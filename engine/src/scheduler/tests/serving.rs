@@ -113,6 +113,7 @@ fn a_request_its_client_ended_counts_as_finished_not_aborted() {
         session: None,
         events: tx,
         ended_by_client: ended.clone(),
+        constraint: None,
     });
     run.step();
     run.step();
