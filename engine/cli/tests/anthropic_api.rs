@@ -246,6 +246,26 @@ print("ok", len(text))
     run_python_client(script, &server.url, "anthropic", "anthropic==2.17.0");
 }
 
+/// A server started with `--api-key` takes the key as Anthropic's clients send it
+/// (`x-api-key`), and refuses a wrong one with 401.
+#[test]
+fn the_official_python_sdk_authenticates_with_its_own_header() {
+    let server = Server::start(&["--api-key", "sesame"]);
+    let script = r#"
+import sys, anthropic
+ask = dict(model="kiln-tiny-random", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+m = anthropic.Anthropic(base_url=sys.argv[1], api_key="sesame", max_retries=0).messages.create(**ask)
+assert m.type == "message", m
+try:
+    anthropic.Anthropic(base_url=sys.argv[1], api_key="wrong", max_retries=0).messages.create(**ask)
+    raise SystemExit("a wrong key was accepted")
+except anthropic.AuthenticationError as e:
+    assert e.status_code == 401, e
+print("ok")
+"#;
+    run_python_client(script, &server.url, "anthropic", "anthropic==2.17.0");
+}
+
 /// A streamed `tool_use` block starts once the call's id is generated and its input
 /// arrives as `input_json_delta` fragments that add up to the unstreamed reply's input:
 /// kiln-coder asked what a function in a file does reads the file first (as trained);

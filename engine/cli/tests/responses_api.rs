@@ -174,7 +174,7 @@ async fn what_the_server_cannot_honour_is_refused_naming_the_field() {
             "tools[0].type",
         ),
         (
-            json!({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}),
+            json!({"input": "hi", "text": {"format": {"type": "xml"}}}),
             "text.format",
         ),
         (

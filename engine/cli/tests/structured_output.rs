@@ -70,8 +70,8 @@ async fn a_format_or_schema_that_cannot_be_followed_is_refused_with_the_field_na
     assert_eq!(status, 200, "the server still serves");
 }
 
-/// A constrained request does not draft (its drafts would need a mask per node): with
-/// speculation on it answers what it answers without, and still follows its schema.
+/// A constrained request's drafts are verified against its masked rows: with speculation
+/// on (drafting at every step) it answers what it answers without, and follows its schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn speculation_leaves_a_constrained_reply_as_it_is() {
     let plain = Server::start(&[]);
@@ -94,10 +94,22 @@ async fn speculation_leaves_a_constrained_reply_as_it_is() {
         let url = format!("{}/v1/chat/completions", server.url);
         let (status, reply) = post(&url, body.to_string(), None).await;
         assert_eq!(status, 200, "{reply}");
-        let content = reply["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        let content = reply["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
         let doc: serde_json::Value = serde_json::from_str(&content).expect("a JSON document");
-        assert!(doc["words"].as_array().is_some_and(|w| w.len() <= 3), "{doc}");
+        assert!(
+            doc["words"].as_array().is_some_and(|w| w.len() <= 3),
+            "{doc}"
+        );
         replies.push(content);
     }
     assert_eq!(replies[0], replies[1]);
+    let metrics = reqwest::get(format!("{}/metrics", spec.url)).await.unwrap();
+    let metrics = metrics.text().await.unwrap();
+    let drafted = (metrics.lines())
+        .find_map(|l| l.strip_prefix("kiln_spec_drafted_tokens_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    assert!(drafted.is_some_and(|d| d > 0.0), "it drafted: {drafted:?}");
 }

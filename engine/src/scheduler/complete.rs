@@ -65,28 +65,44 @@ impl<'a> Scores<'a> {
     }
 }
 
-/// The next token of request `r` from this one row, drawn as `params` say, among the
-/// tokens its constraint allows when it has one (`eos`: the model's end-of-sequence ids).
-/// A constraint that fails is logged and dropped: the output goes on unconstrained.
-fn draw(r: &mut Request, row: Scores, params: &SamplingRow, eos: &[u32]) -> u32 {
-    let Some(c) = r.constraint.as_mut() else {
-        return row.sample(params);
-    };
+/// Whether `token` ends request `r`'s output (`eos`: the model's end-of-sequence ids).
+fn is_stop(r: &Request, eos: &[u32], token: u32) -> bool {
+    (!r.params.ignore_eos && eos.contains(&token)) || r.params.stop_token_ids.contains(&token)
+}
+
+/// Request `r`'s row of logits with the tokens its constraint forbids next at minus
+/// infinity (`None` without a constraint). A constraint that fails is logged and dropped:
+/// the output goes on unconstrained.
+fn constrained(r: &mut Request, row: Scores, eos: &[u32]) -> Option<Vec<f32>> {
+    let allowed = r.constraint.as_mut()?.allowed();
     let Scores::Logits(logits, _) = row else {
         panic!("a constrained request's row without its logits")
     };
-    match c.allowed() {
-        Ok(allowed) => {
-            let p = &r.params;
-            let is_stop = |t| (!p.ignore_eos && eos.contains(&t)) || p.stop_token_ids.contains(&t);
-            sample(&allowed.mask(logits, is_stop), params)
-        }
+    match allowed {
+        Ok(allowed) => Some(allowed.mask(logits, |t| is_stop(r, eos, t))),
         Err(e) => {
             tracing::warn!(id = r.id, error = %e, "the output's constraint failed: dropped");
             r.constraint = None;
-            row.sample(params)
+            None
         }
     }
+}
+
+/// Moves request `r`'s constraint past `token` (not past a token that ends the output);
+/// whether the constrained output is now complete.
+fn follow(r: &mut Request, eos: &[u32], token: u32) -> bool {
+    if is_stop(r, eos, token) {
+        return false;
+    }
+    let Some(c) = r.constraint.as_mut() else {
+        return false;
+    };
+    if let Err(e) = c.accept(token) {
+        tracing::warn!(id = r.id, error = %e, "the output's constraint failed: dropped");
+        r.constraint = None;
+        return false;
+    }
+    c.is_complete()
 }
 
 impl Scheduler {
@@ -132,14 +148,20 @@ impl Scheduler {
             let mut reported = Vec::new();
             let mut node = ROOT;
             loop {
-                let row = rows.row((node + 1) as usize);
+                let raw = rows.row((node + 1) as usize);
+                // A constrained request's drafts are verified against its masked rows:
+                // the distribution it samples from.
+                let masked = constrained(r, raw, eos);
+                let row = masked
+                    .as_deref()
+                    .map_or(raw, |m| Scores::Logits(m, m.len()));
                 let children: Vec<usize> = draft.children(node).collect();
                 let tokens: Vec<u32> = children.iter().map(|&c| draft.tokens[c]).collect();
                 let params = r.sampling_row(r.tokens.len() + emitted.len());
                 let chosen = match kept {
                     Some(k) if path.len() < k && !children.is_empty() => Ok(0),
-                    Some(_) => Err(draw(r, row, &params, eos)),
-                    None if children.is_empty() => Err(draw(r, row, &params, eos)),
+                    Some(_) => Err(row.sample(&params)),
+                    None if children.is_empty() => Err(row.sample(&params)),
                     None => row.verify(&tokens, &params, &mut r.rng),
                 };
                 let token = match chosen {
@@ -150,14 +172,18 @@ impl Scheduler {
                 reported.push(
                     r.params
                         .logprobs
-                        .map(|top| Box::new(row.logprobs(token, top))),
+                        .map(|top| Box::new(raw.logprobs(token, top))),
                 );
+                let complete = follow(r, eos, token);
                 match chosen {
                     Ok(k) => {
                         path.push(children[k]);
                         node = children[k] as i32;
                     }
                     Err(_) => break,
+                }
+                if complete {
+                    break; // the constrained output is whole: nothing may follow
                 }
             }
             let accepted = path.len();
@@ -189,28 +215,20 @@ impl Scheduler {
             }
             let mut reason = None;
             for (token, logprobs) in emitted.into_iter().zip(reported) {
-                let stop = (!r.params.ignore_eos && self.cfg.eos_token_ids.contains(&token))
-                    || r.params.stop_token_ids.contains(&token);
-                if stop {
+                if is_stop(r, eos, token) {
                     reason = Some(FinishReason::Stop);
                     break;
                 }
                 r.tokens.push(token);
                 self.metrics.generation_tokens.add(1);
                 r.send(Event::Token(token, logprobs));
-                if let Some(c) = r.constraint.as_mut() {
-                    if let Err(e) = c.accept(token) {
-                        tracing::warn!(id = r.id, error = %e, "the output's constraint failed");
-                    }
-                    if c.is_complete() {
-                        reason = Some(FinishReason::Stop);
-                        break;
-                    }
-                }
                 if r.generated() >= r.params.max_tokens || r.tokens.len() >= self.cfg.context_len {
                     reason = Some(FinishReason::Length);
                     break;
                 }
+            }
+            if r.constraint.as_ref().is_some_and(|c| c.is_complete()) {
+                reason = reason.or(Some(FinishReason::Stop));
             }
             // KV is in place for the request's own tokens and the accepted path's leading
             // `0, 1, 2, ..` nodes; the next step rewrites the rest.

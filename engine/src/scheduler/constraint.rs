@@ -1,8 +1,9 @@
 //! Constrained decoding as the scheduler sees it: a request may carry a [`Constraint`]
 //! (a grammar's matcher, [`crate::server`] builds them from JSON schemas) that says which
 //! tokens may come next. Such a request's rows come back as logits, the forbidden tokens
-//! are masked out and the row is sampled on the host as usual; it does not draft (its
-//! drafts would need a mask per tree node).
+//! are masked out and the row is sampled on the host as usual; its drafts are verified
+//! node by node against the masked rows along the accepted path (the matcher moves past
+//! each accepted token), so speculation keeps the constrained distribution.
 use std::fmt::Debug;
 
 /// The tokens that may come next.

@@ -394,9 +394,6 @@ impl Scheduler {
             return Draft::default();
         };
         let r = &self.running[i];
-        if r.constraint.is_some() {
-            return Draft::default();
-        }
         let room = r.events.capacity();
         // The budget past its pending tokens but one: `draft_len` keeps a token for that one.
         let budget = budget.saturating_sub(r.pending().saturating_sub(1));

@@ -18,7 +18,9 @@ use super::call_stream::CallStream;
 use super::chat_format::{ChatMessage, Content, FunctionCall, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, PENALTIES};
-use super::openai::{chat_prompt, collect, forced_pieces, forced_prefix, reply_ends, tool_calls};
+use super::openai::{
+    chat_prompt, collect, forced_pieces, forced_prefix, reply_ends, reply_grammar, tool_calls,
+};
 use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames, Stop};
 use super::tools::{self, Tools};
 use super::{session_id, SharedState};
@@ -299,7 +301,8 @@ pub async fn messages(
         ignore_eos: None,
         logprobs: None,
     };
-    let p = prepare(&state, ids, sampling, "messages").map_err(refused)?;
+    let mut p = prepare(&state, ids, sampling, "messages").map_err(refused)?;
+    p.grammar = reply_grammar(&state, None, tools.as_ref()).map_err(refused)?;
     let pieces = start(&state, &p, session_id(&headers), end_of_text)?;
     let mut pieces = forced_pieces(tools.as_ref(), pieces);
     let reply = Reply {

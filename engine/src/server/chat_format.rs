@@ -109,6 +109,7 @@ const TOKENS: [&str; 10] = [
 pub struct KimiFormat {
     end: u32,
     section_begin: u32,
+    section_end: u32,
     call_begin: u32,
     argument_begin: u32,
     call_end: u32,
@@ -131,6 +132,7 @@ impl KimiFormat {
         Ok(KimiFormat {
             end: id(0),
             section_begin: id(5),
+            section_end: id(6),
             call_begin: id(7),
             argument_begin: id(8),
             call_end: id(9),
@@ -140,6 +142,11 @@ impl KimiFormat {
     /// The token that starts a tool-call section (the content ends there).
     pub fn section_begin(&self) -> u32 {
         self.section_begin
+    }
+
+    /// The token that ends a tool-call section.
+    pub fn section_end(&self) -> u32 {
+        self.section_end
     }
 
     /// The tool-call markers: section begin, call begin, argument begin, call end.

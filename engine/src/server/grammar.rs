@@ -10,7 +10,9 @@ use llguidance::toktrie::{TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 
+use super::chat_format::KimiFormat;
 use super::error::ApiError;
+use super::tools::{Forced, Tools};
 use super::AppState;
 use crate::model::tokenizer::TextCodec;
 use crate::scheduler::constraint::{Allowed, Constraint};
@@ -68,24 +70,82 @@ impl Grammars {
 
     /// The grammar of documents that match JSON schema `schema`; `Err` says why the schema
     /// cannot be compiled (checked here, before any request runs with it). Documents are
-    /// written as Python's `json.dumps` writes them (`", "` and `": "`, no other
-    /// whitespace) unless the schema sets llguidance's `x-guidance` options itself: with
-    /// free whitespace a model can pad a document until it runs out of tokens.
-    pub fn json_schema(&self, mut schema: Value) -> Result<Grammar, String> {
-        if let Some(root) = schema.as_object_mut() {
-            root.entry("x-guidance").or_insert_with(|| {
-                serde_json::json!({"whitespace_flexible": false,
-                                   "item_separator": ", ", "key_separator": ": "})
-            });
-        }
+    /// laid out as [`laid_out`] says.
+    pub fn json_schema(&self, schema: Value) -> Result<Grammar, String> {
+        self.compile(TopLevelGrammar::from_json_schema(laid_out(schema)))
+    }
+
+    /// The grammar of a reply forced into a tool call, from where its forced prefix ends
+    /// ([`KimiFormat::forced_prefix`]): a named tool's arguments matching its `parameters`
+    /// schema, then the call's and the section's end; or, forced to call any tool, one or
+    /// more calls of declared tools, each its id (`functions.NAME:IDX`) and arguments
+    /// matching that tool's schema, then the section's end.
+    pub fn forced_calls(&self, fmt: &KimiFormat, tools: &Tools) -> Result<Grammar, String> {
+        let [_, call_begin, argument_begin, call_end] = fmt.call_markers();
+        let section_end = fmt.section_end();
+        let declared = tools.declared.as_array().cloned().unwrap_or_default();
+        let schema = |tool: &Value| {
+            let parameters = tool.pointer("/function/parameters").cloned();
+            laid_out(parameters.unwrap_or_else(|| serde_json::json!({"type": "object"})))
+        };
+        let lark = match &tools.forced {
+            Some(Forced::Named(n)) => {
+                let tool = (declared.iter().find(|t| name(t) == Some(n.as_str())))
+                    .ok_or_else(|| format!("no declared tool is named {n}"))?;
+                format!(
+                    "start: args <[{call_end}]> <[{section_end}]>\nargs: %json {}\n",
+                    schema(tool)
+                )
+            }
+            Some(Forced::Any) => {
+                let mut lark = format!("start: call+ <[{section_end}]>\ncall: ");
+                let alternatives: Vec<String> =
+                    (0..declared.len()).map(|i| format!("call_{i}")).collect();
+                lark.push_str(&alternatives.join(" | "));
+                lark.push('\n');
+                for (i, tool) in declared.iter().enumerate() {
+                    let id = Value::from(format!("functions.{}:", name(tool).unwrap_or("")));
+                    lark.push_str(&format!(
+                        "call_{i}: <[{call_begin}]> {id} /[0-9]+/ <[{argument_begin}]> args_{i} \
+                         <[{call_end}]>\nargs_{i}: %json {}\n",
+                        schema(tool)
+                    ));
+                }
+                lark
+            }
+            None => return Err("no tool call is forced".into()),
+        };
+        self.compile(TopLevelGrammar::from_lark(lark))
+    }
+
+    /// `grammar` checked by starting a matcher on it.
+    fn compile(&self, grammar: TopLevelGrammar) -> Result<Grammar, String> {
         let g = Grammar {
             factory: self.factory.clone(),
-            grammar: TopLevelGrammar::from_json_schema(schema),
+            grammar,
             end: self.end,
         };
         g.start()?;
         Ok(g)
     }
+}
+
+/// A declared tool's name.
+fn name(tool: &Value) -> Option<&str> {
+    tool.pointer("/function/name").and_then(Value::as_str)
+}
+
+/// `schema` with its documents laid out as Python's `json.dumps` writes them (`", "` and
+/// `": "`, no other whitespace), unless it sets llguidance's layout (`x-guidance`) itself:
+/// with free whitespace a model can pad a document until it runs out of tokens.
+fn laid_out(mut schema: Value) -> Value {
+    if let Some(root) = schema.as_object_mut() {
+        root.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({"whitespace_flexible": false,
+                               "item_separator": ", ", "key_separator": ": "})
+        });
+    }
+    schema
 }
 
 /// The grammar an output `format` asks for (`field` names it in errors): none for
@@ -250,6 +310,58 @@ mod tests {
             assert!(!allowed.allows(id), "{s} allowed inside a string");
         }
         assert!(!allowed.may_end);
+    }
+
+    /// Walks `text` (special-token strings as tokens) through a forced call's grammar.
+    fn calls(g: &Grammar, codec: &TextCodec, text: &str) -> Result<bool, String> {
+        let mut m = g.start()?;
+        for t in codec.encode(text)? {
+            if !m.allowed()?.allows(t) {
+                return Ok(false);
+            }
+            m.accept(t)?;
+        }
+        Ok(m.is_complete())
+    }
+
+    #[test]
+    fn a_forced_call_names_a_declared_tool_with_arguments_of_its_schema() {
+        let (codec, g) = grammars();
+        let fmt = KimiFormat::new(&codec).unwrap();
+        let declared = serde_json::json!([
+            {"type": "function", "function": {"name": "ls", "parameters": {"type": "object",
+                "properties": {"path": {"type": "string"}}, "required": ["path"],
+                "additionalProperties": false}}},
+            {"type": "function", "function": {"name": "pwd"}}]);
+        let any = crate::server::tools::resolve(Some(&declared), Some(&"required".into()))
+            .unwrap()
+            .unwrap();
+        let g_any = g.forced_calls(&fmt, &any).unwrap();
+        let call = |name: &str, i: usize, args: &str| {
+            format!("<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{args}<|tool_call_end|>")
+        };
+        let end = "<|tool_calls_section_end|>";
+        let ls = call("ls", 0, r#"{"path": "."}"#);
+        assert_eq!(calls(&g_any, &codec, &format!("{ls}{end}")), Ok(true));
+        let two = format!("{ls}{}{end}", call("pwd", 1, "{}"));
+        assert_eq!(calls(&g_any, &codec, &two), Ok(true), "two calls");
+        let undeclared = format!("{}{end}", call("rm", 0, "{}"));
+        assert_eq!(calls(&g_any, &codec, &undeclared), Ok(false));
+        let bad_args = format!("{}{end}", call("ls", 0, r#"{"path": 1}"#));
+        assert_eq!(calls(&g_any, &codec, &bad_args), Ok(false));
+        assert_eq!(calls(&g_any, &codec, end), Ok(false), "at least one call");
+
+        let choice = serde_json::json!({"type": "function", "function": {"name": "ls"}});
+        let named = crate::server::tools::resolve(Some(&declared), Some(&choice))
+            .unwrap()
+            .unwrap();
+        let g_named = g.forced_calls(&fmt, &named).unwrap();
+        let args = format!(r#"{{"path": "src"}}<|tool_call_end|>{end}"#);
+        assert_eq!(calls(&g_named, &codec, &args), Ok(true));
+        assert_eq!(
+            calls(&g_named, &codec, &format!("{{}}<|tool_call_end|>{end}")),
+            Ok(false)
+        );
     }
 
     #[test]

@@ -298,12 +298,14 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 
 async fn require_key(State(state): State<SharedState>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        if bearer(req.headers()) != Some(key.as_str()) {
+        // Anthropic's clients send the key as `x-api-key`.
+        let anthropic = || req.headers().get("x-api-key")?.to_str().ok().map(str::trim);
+        if bearer(req.headers()).or_else(anthropic) != Some(key.as_str()) {
             state.rejected();
             return ApiError::with_status(
                 StatusCode::UNAUTHORIZED,
                 "invalid_api_key",
-                "missing or wrong API key (send `Authorization: Bearer KEY`)",
+                "missing or wrong API key (send `Authorization: Bearer KEY` or `x-api-key: KEY`)",
             )
             .into_response();
         }

@@ -15,7 +15,7 @@ use super::chat_template::ChatTemplate;
 use super::choices::{collect_all, start_choices, Total};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, OPENAI};
-use super::grammar::output_format;
+use super::grammar::{output_format, Grammar};
 use super::logprobs::{chat_logprobs, completion_logprobs};
 use super::reasoning::{Reasoning, ThinkTokens};
 use super::run::{
@@ -312,14 +312,8 @@ pub async fn chat(
     let (stops, end_of_text) = reply_ends(&state, tools.as_ref(), stops);
     sampling.stop_token_ids = Some(stops);
     let mut p = prepare(&state, prompt, sampling, "messages").map_err(refused)?;
-    p.grammar =
-        output_format(&state, c.response_format.as_ref(), "response_format").map_err(refused)?;
-    if p.grammar.is_some() && tools.as_ref().is_some_and(|t| t.forced.is_some()) {
-        return Err(refused(ApiError::invalid(
-            "response_format cannot shape a reply forced into a tool call",
-            Some("response_format"),
-        )));
-    }
+    let format = output_format(&state, c.response_format.as_ref(), "response_format");
+    p.grammar = reply_grammar(&state, format.map_err(refused)?, tools.as_ref()).map_err(refused)?;
     let choices = start_choices(&state, &p, session_id(&headers), end_of_text)?
         .into_iter()
         .map(|pieces| forced_pieces(tools.as_ref(), pieces))
@@ -523,6 +517,32 @@ pub(super) fn reasoning(state: &AppState, think: ThinkTokens, prompt: &[u32]) ->
 
 fn yes() -> bool {
     true
+}
+
+/// What a chat reply must match: its output format's grammar, or else, when it is forced
+/// into a tool call, that call's ([`super::grammar::Grammars::forced_calls`]: declared tools, arguments
+/// that match their schemas). The two cannot combine.
+pub(super) fn reply_grammar(
+    state: &AppState,
+    format: Option<Grammar>,
+    tools: Option<&Tools>,
+) -> Result<Option<Grammar>, ApiError> {
+    let forced = tools.filter(|t| t.forced.is_some());
+    let call = match (state.chat.as_ref(), state.grammars.as_ref(), forced) {
+        (Some(fmt), Some(grammars), Some(tools)) => {
+            let why = |e| format!("the tools' parameters cannot be followed: {e}");
+            let g = grammars.forced_calls(fmt, tools);
+            Some(g.map_err(|e| ApiError::invalid(why(e), Some("tools")))?)
+        }
+        _ => None,
+    };
+    match (format, call) {
+        (Some(_), Some(_)) => Err(ApiError::invalid(
+            "an output format cannot shape a reply forced into a tool call",
+            Some("tool_choice"),
+        )),
+        (format, call) => Ok(format.or(call)),
+    }
 }
 
 /// The ids a reply forced to call a tool starts from (after the prompt; none otherwise).

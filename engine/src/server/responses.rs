@@ -18,7 +18,9 @@ use super::chat_format::{ChatMessage, Content, FunctionCall, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, PENALTIES};
 use super::grammar::output_format;
-use super::openai::{chat_prompt, collect, forced_pieces, forced_prefix, reply_ends, tool_calls};
+use super::openai::{
+    chat_prompt, collect, forced_pieces, forced_prefix, reply_ends, reply_grammar, tool_calls,
+};
 use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames};
 use super::tools;
 use super::{session_id, unix_time, SharedState};
@@ -302,7 +304,8 @@ pub async fn responses(
     };
     let mut p = prepare(&state, prompt, sampling, "input").map_err(refused)?;
     let format = req.rest.get("text").and_then(|t| t.get("format"));
-    p.grammar = output_format(&state, format, "text.format").map_err(refused)?;
+    let format = output_format(&state, format, "text.format").map_err(refused)?;
+    p.grammar = reply_grammar(&state, format, tools.as_ref()).map_err(refused)?;
     let pieces = start(&state, &p, session_id(&headers), end_of_text)?;
     let mut pieces = forced_pieces(tools.as_ref(), pieces);
     let head = Head {

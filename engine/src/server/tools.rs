@@ -21,8 +21,8 @@ pub struct Tools {
 
 /// A tool call the reply is made to start with: the reply is generated from inside the
 /// tool-call section (a call of any tool), or from inside the named tool's call (its
-/// arguments). The call's structure is forced; names (under `Any`) and arguments are the
-/// model's, not constrained to the declarations' schemas.
+/// arguments); the rest of the section is constrained to calls of declared tools whose
+/// arguments match their schemas (`grammar::Grammars::forced_calls`).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Forced {
     Any,
