@@ -634,34 +634,12 @@ async fn a_checkpoints_chat_template_renders_the_prompt() {
 
 /// A thinking model's reply: what it writes between `<think>` and `</think>` comes back as
 /// `reasoning_content`, whole and streamed, and the rest as `content`; with
-/// `separate_reasoning: false` all of it is content. The model is scripted (the tiny one
-/// made to follow `<think>` a b `</think>` c [EOS]) with two special tokens respelled as the
-/// think tokens, and a template whose generation prompt opens the reasoning.
+/// `separate_reasoning: false` all of it is content (the scripted
+/// [`common::thinking_model`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thinking_models_reasoning_comes_apart_from_its_answer() {
-    let codec = kiln::model::default_model::codec();
-    let one = |s: &str| -> usize {
-        let ids = codec.encode(s).unwrap();
-        assert_eq!(ids.len(), 1, "{s} is one token");
-        ids[0] as usize
-    };
-    let (open, close, eos) = (12, 3, 1); // [PAD] and <|im_user|> respelled; [EOS]
-    let (a, b, c) = (one("H"), one("m"), one("!"));
-    let script = [(open, a), (a, b), (b, close), (close, c)];
-    let classes: std::collections::HashSet<usize> = script.iter().map(|(t, _)| t % 128).collect();
-    assert_eq!(classes.len(), script.len(), "distinct embedding dimensions");
     let dir = tempfile::tempdir().unwrap();
-    common::scripted_model(dir.path(), |d| {
-        (script.iter().find(|(t, _)| t % 128 == d)).map_or(eos, |&(_, n)| n)
-    });
-    let tokenizer = std::fs::read_to_string(dir.path().join("tokenizer.json")).unwrap();
-    let tokenizer = tokenizer
-        .replace("\"[PAD]\"", "\"<think>\"")
-        .replace("\"<|im_user|>\"", "\"</think>\"");
-    std::fs::write(dir.path().join("tokenizer.json"), tokenizer).unwrap();
-    let template = "{% for m in messages %}{{ m.content }}{% endfor %}<think>";
-    let config = json!({"chat_template": template, "eos_token": "[EOS]"});
-    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    common::thinking_model(dir.path());
     let server = Server::start(&["--model", dir.path().to_str().unwrap()]);
     let url = format!("{}/v1/chat/completions", server.url);
     let ask = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,

@@ -19,7 +19,8 @@ use super::chat_format::{ChatMessage, Content, FunctionCall, ToolCall};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, PENALTIES};
 use super::openai::{
-    chat_prompt, collect, forced_pieces, forced_prefix, reply_ends, reply_grammar, tool_calls,
+    chat_prompt, collect, forced_pieces, forced_prefix, reasoning, reply_ends, reply_grammar,
+    tool_calls,
 };
 use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames, Stop};
 use super::tools::{self, Tools};
@@ -75,6 +76,12 @@ enum Block {
         #[serde(default)]
         content: Option<System>,
     },
+    /// A thinking model's earlier reasoning, sent back (its signature is not checked).
+    Thinking {
+        thinking: String,
+    },
+    /// Reasoning a server hid: nothing kiln can render.
+    RedactedThinking {},
 }
 
 #[derive(Deserialize)]
@@ -142,11 +149,12 @@ fn chat_messages(
             MessageContent::Text(t) => vec![Block::Text { text: t }],
             MessageContent::Blocks(b) => b,
         };
-        let mut text = Vec::new();
-        let mut calls = Vec::new();
+        let (mut text, mut calls, mut reasoning) = (Vec::new(), Vec::new(), Vec::new());
         for block in blocks {
             match (m.role.as_str(), block) {
                 (_, Block::Text { text: t }) => text.push(t),
+                ("assistant", Block::Thinking { thinking }) => reasoning.push(thinking),
+                ("assistant", Block::RedactedThinking {}) => {}
                 ("assistant", Block::ToolUse { id, name, input }) => calls.push(ToolCall {
                     id,
                     kind: "function".into(),
@@ -179,6 +187,7 @@ fn chat_messages(
             "user" | "assistant" => {
                 let mut turn = message(&m.role, text.join("\n"));
                 turn.tool_calls = (!calls.is_empty()).then_some(calls);
+                turn.reasoning_content = (!reasoning.is_empty()).then(|| reasoning.join("\n"));
                 out.push(turn);
             }
             other => {
@@ -222,30 +231,32 @@ fn resolve_tools(
     tools::resolve(declared.as_ref(), choice.as_ref())
 }
 
-/// Refuses fields the server cannot honour: extended thinking, and penalties or filters
-/// other than off.
-fn refuse(rest: &Map<String, Value>) -> Result<(), ApiError> {
+/// Refuses fields the server cannot honour (extended thinking of a model that does not
+/// think, penalties or filters other than off); whether thinking blocks are wanted.
+fn refuse(rest: &Map<String, Value>, thinks: bool) -> Result<bool, ApiError> {
     let mut rest = rest.clone();
-    if let Some(thinking) = rest.remove("thinking") {
-        if thinking.get("type").and_then(Value::as_str) != Some("disabled") && !thinking.is_null() {
-            return Err(ApiError::invalid(
-                "extended thinking is not supported by this model",
-                Some("thinking"),
-            ));
-        }
+    let thinking = rest.remove("thinking").filter(|t| !t.is_null());
+    let wanted =
+        thinking.is_some_and(|t| t.get("type").and_then(Value::as_str) != Some("disabled"));
+    if wanted && !thinks {
+        return Err(ApiError::invalid(
+            "extended thinking is not supported by this model",
+            Some("thinking"),
+        ));
     }
-    refuse_unsupported(&rest, "", &[PENALTIES])
+    refuse_unsupported(&rest, "", &[PENALTIES])?;
+    Ok(wanted)
 }
 
 /// The prompt of a request: its conversation in the model's chat format (and the tools on
-/// offer), after every check a generation makes.
+/// offer), after every check a generation makes; and whether it wants thinking blocks.
 async fn prompt(
     state: &SharedState,
     req: &mut MessagesRequest,
-) -> Result<(Vec<u32>, Option<Tools>), ApiError> {
+) -> Result<(Vec<u32>, Option<Tools>, bool), ApiError> {
     state.accepting()?;
     state.check_model(req.model.as_deref())?;
-    refuse(&req.rest)?;
+    let thinking = refuse(&req.rest, state.think.is_some())?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid(
             "messages must not be empty",
@@ -255,7 +266,7 @@ async fn prompt(
     let tools = resolve_tools(req.tools.take(), req.tool_choice.as_ref())?;
     let messages = chat_messages(req.system.take(), std::mem::take(&mut req.messages))?;
     let ids = chat_prompt(state, messages, tools.as_ref(), "messages").await?;
-    Ok((ids, tools))
+    Ok((ids, tools, thinking))
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt's length, as `/v1/messages` would run it.
@@ -263,7 +274,7 @@ pub async fn count_tokens(
     State(state): State<SharedState>,
     ApiJson(mut req): ApiJson<MessagesRequest>,
 ) -> Result<Response, ApiError> {
-    let (ids, _) = prompt(&state, &mut req)
+    let (ids, _, _) = prompt(&state, &mut req)
         .await
         .inspect_err(|_| state.rejected())?;
     Ok(Json(json!({"input_tokens": ids.len()})).into_response())
@@ -285,7 +296,7 @@ pub async fn messages(
             Some("max_tokens"),
         )));
     };
-    let (ids, tools) = prompt(&state, &mut req).await.map_err(refused)?;
+    let (ids, tools, thinking) = prompt(&state, &mut req).await.map_err(refused)?;
     let (stops, end_of_text) = reply_ends(&state, tools.as_ref(), Vec::new());
     let sampling = RawSampling {
         names: &NAMES,
@@ -304,12 +315,19 @@ pub async fn messages(
     let mut p = prepare(&state, ids, sampling, "messages").map_err(refused)?;
     p.grammar = reply_grammar(&state, None, tools.as_ref()).map_err(refused)?;
     let pieces = start(&state, &p, session_id(&headers), end_of_text)?;
-    let mut pieces = forced_pieces(tools.as_ref(), pieces);
+    let pieces = forced_pieces(tools.as_ref(), pieces);
+    // A thinking model's reasoning never reaches the text: it is a thinking block when
+    // the request enabled thinking, and left out otherwise.
+    let mut pieces = match state.think {
+        Some(think) => pieces.split_reasoning(reasoning(&state, think, &p.prompt)),
+        None => pieces,
+    };
     let reply = Reply {
         id: format!("msg_{}", p.id),
         model: state.model_name.clone(),
         prompt_tokens: p.prompt.len(),
         tools,
+        thinking,
     };
     if req.stream {
         return Ok(stream(state, pieces, reply));
@@ -317,6 +335,9 @@ pub async fn messages(
     let (text, outcome) = collect(&mut pieces).await?;
     let calls = tool_calls(&state, reply.tools.as_ref(), pieces.ids());
     let mut content = Vec::new();
+    if let Some(thinking) = pieces.reasoning().filter(|_| reply.thinking) {
+        content.push(json!({"type": "thinking", "thinking": thinking, "signature": ""}));
+    }
     if !text.is_empty() || calls.is_empty() {
         content.push(json!({"type": "text", "text": text}));
     }
@@ -336,6 +357,8 @@ struct Reply {
     model: String,
     prompt_tokens: usize,
     tools: Option<Tools>,
+    /// Whether the reasoning goes out as a thinking block.
+    thinking: bool,
 }
 
 /// A tool call as a `tool_use` block (its arguments as JSON; text that is not JSON stays a
@@ -366,17 +389,36 @@ fn usage(o: &Outcome) -> Value {
     })
 }
 
-/// The reply as Anthropic's events: `message_start`, a text block's start, deltas and
-/// stop, then a `tool_use` block per call as it generates (its start once the call's id is
-/// complete, its input as `input_json_delta` fragments, [`CallStream`]), `message_delta`
-/// with the stop reason and usage, `message_stop`.
+/// The reply as Anthropic's events: `message_start`; with thinking enabled a thinking
+/// block (`thinking_delta`s) until the reasoning ends; a text block's start, deltas and
+/// stop; then a `tool_use` block per call as it generates (its start once the call's id is
+/// complete, its input as `input_json_delta` fragments, [`CallStream`]); `message_delta`
+/// with the stop reason and usage, `message_stop`. Blocks are numbered as they start.
 fn stream(state: SharedState, pieces: super::run::Pieces, reply: Reply) -> Response {
     let mut started = false;
     let mut calls = CallStream::new(forced_prefix(&state, reply.tools.as_ref()));
-    // The content block open now (0: the text).
-    let mut open = None;
+    // The content block open now, the text block's index once it started, blocks started,
+    // and each call's block.
+    let (mut open, mut text_block, mut blocks) = (None, None, 0);
+    let mut call_blocks: Vec<usize> = Vec::new();
     named_sse(pieces, move |piece, ids| {
         let mut out = Vec::new();
+        let stop = |index: usize| {
+            (
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": index}),
+            )
+        };
+        // Starts a block: the one open before it stops.
+        let mut begin = |out: &mut Vec<(&'static str, Value)>, block: Value| {
+            out.extend(open.replace(blocks).map(stop));
+            out.push((
+                "content_block_start",
+                json!({"type": "content_block_start", "index": blocks, "content_block": block}),
+            ));
+            blocks += 1;
+            blocks - 1
+        };
         if !started {
             started = true;
             out.push((
@@ -386,19 +428,15 @@ fn stream(state: SharedState, pieces: super::run::Pieces, reply: Reply) -> Respo
                 "content": [], "stop_reason": null, "stop_sequence": null,
                 "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}}}),
             ));
-            out.push((
-                "content_block_start",
-                json!({"type": "content_block_start",
-                "index": 0, "content_block": {"type": "text", "text": ""}}),
-            ));
-            open = Some(0);
+            if reply.thinking {
+                begin(
+                    &mut out,
+                    json!({"type": "thinking", "thinking": "", "signature": ""}),
+                );
+            } else {
+                text_block = Some(begin(&mut out, json!({"type": "text", "text": ""})));
+            }
         }
-        let stop = |index: usize| {
-            (
-                "content_block_stop",
-                json!({"type": "content_block_stop", "index": index}),
-            )
-        };
         match piece {
             // The stream ends at an error event, as Anthropic's do.
             Err(e) => out.push((
@@ -406,29 +444,46 @@ fn stream(state: SharedState, pieces: super::run::Pieces, reply: Reply) -> Respo
                 json!({"type": "error", "error": {
                 "type": "api_error", "message": e.body()["error"]["message"]}}),
             )),
-            Ok(Piece::Delta { text, ids: new, .. }) => {
+            Ok(Piece::Delta {
+                text,
+                reasoning,
+                ids: new,
+                ..
+            }) => {
+                if !reasoning.is_empty() && reply.thinking && text_block.is_none() {
+                    out.push((
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": 0,
+                        "delta": {"type": "thinking_delta", "thinking": reasoning}}),
+                    ));
+                }
                 if !text.is_empty() {
+                    let index = match text_block {
+                        Some(i) => i,
+                        None => {
+                            *text_block.insert(begin(&mut out, json!({"type": "text", "text": ""})))
+                        }
+                    };
                     out.push((
                         "content_block_delta",
                         json!({"type": "content_block_delta",
-                        "index": 0, "delta": {"type": "text_delta", "text": text}}),
+                        "index": index, "delta": {"type": "text_delta", "text": text}}),
                     ));
                 }
                 let (Some(fmt), Some(tools)) = (state.chat.as_ref(), reply.tools.as_ref()) else {
                     return out;
                 };
                 for entry in calls.push(fmt, &state.codec, tools, &new) {
-                    let index = entry["index"].as_u64().unwrap_or(0) as usize + 1;
                     let function = &entry["function"];
                     if entry.get("id").is_some() {
-                        out.extend(open.replace(index).map(stop));
-                        out.push((
-                            "content_block_start",
-                            json!({"type": "content_block_start", "index": index,
-                            "content_block": {"type": "tool_use", "id": entry["id"],
-                            "name": function["name"], "input": {}}}),
-                        ));
+                        let block = json!({"type": "tool_use", "id": entry["id"],
+                            "name": function["name"], "input": {}});
+                        call_blocks.push(begin(&mut out, block));
                     } else {
+                        let call = entry["index"].as_u64().unwrap_or(0) as usize;
+                        let Some(&index) = call_blocks.get(call) else {
+                            continue; // a call's start comes before its input
+                        };
                         out.push((
                             "content_block_delta",
                             json!({"type": "content_block_delta", "index": index,
