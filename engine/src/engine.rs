@@ -23,7 +23,7 @@ use crate::model::gpu::{
     Batch, GpuModel, HostKv, KvPool, ModelError, RequestSlice, SyntheticQuant,
 };
 use crate::model::Checkpoint;
-use crate::scheduler::{policy, Scheduler, SchedulerConfig, Scores, Submission};
+use crate::scheduler::{policy, Logprobs, Scheduler, SchedulerConfig, Scores, Submission};
 use crate::speculative::SpecConfig;
 use kiln_core::model::ModelConfig;
 
@@ -399,7 +399,15 @@ fn run<R: Runtime>(
                 };
                 let shape = step.decode_shape();
                 let scores = match step.batch.sampling {
-                    Some(_) => Scores::Tokens(&out.tokens),
+                    Some(_) => {
+                        let lp = out.logprobs.as_ref().map(|l| Logprobs {
+                            token: &l.token,
+                            top: l.top,
+                            ids: &l.ids,
+                            values: &l.values,
+                        });
+                        Scores::Tokens(&out.tokens, lp)
+                    }
                     None => Scores::Logits(&out.logits, vocab),
                 };
                 sched.complete(step, scores);

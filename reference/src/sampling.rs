@@ -216,3 +216,38 @@ mod tests {
         }
     }
 }
+
+/// Log-probabilities by the definition: `token`'s log-softmax of the raw logits (in f64;
+/// NaN has no probability: minus infinity) and the `top` most likely tokens' (by logit,
+/// ties to the lower id), from a full sort. The oracle of
+/// `kiln_kernels::sample::token_logprobs`.
+pub fn logprobs(logits: &[f32], token: u32, top: usize) -> (f64, Vec<(u32, f64)>) {
+    let numbers: Vec<f64> = logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .map(|&l| l as f64)
+        .collect();
+    let max = numbers.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let log_total = max + numbers.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+    let of = |l: f32| match l.is_nan() {
+        true => f64::NEG_INFINITY,
+        false => l as f64 - log_total,
+    };
+    let mut order: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&i| !logits[i as usize].is_nan())
+        .collect();
+    order.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
+    let best = order
+        .into_iter()
+        .take(top)
+        .map(|i| (i, of(logits[i as usize])))
+        .collect();
+    let chosen = logits
+        .get(token as usize)
+        .map_or(f64::NEG_INFINITY, |&l| of(l));
+    (chosen, best)
+}

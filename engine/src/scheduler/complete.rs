@@ -5,6 +5,8 @@ use std::time::Instant;
 use kiln_core::rng::Rng;
 use kiln_core::sampling::SamplingRow;
 
+use kiln_kernels::sample::NO_TOKEN;
+
 use super::*;
 use crate::sampling::{logprobs, sample, verify};
 
@@ -14,8 +16,31 @@ pub enum Scores<'a> {
     /// The rows of logits, `vocab` wide.
     Logits(&'a [f32], usize),
     /// Each row's token as drawn on the device ([`Batch::sampling`]): the argmax of a
-    /// greedy request's rows, the draw of a sampled request's one row.
-    Tokens(&'a [u32]),
+    /// greedy request's rows, the draw of a sampled request's one row; and their
+    /// log-probabilities when the step computed them ([`Batch::logprobs`]).
+    Tokens(&'a [u32], Option<Logprobs<'a>>),
+}
+
+/// Rows' log-probabilities as the device computed them: each row's token's, and `top`
+/// alternatives a row (`NO_TOKEN` past its numbers).
+#[derive(Clone, Copy, Debug)]
+pub struct Logprobs<'a> {
+    pub token: &'a [f32],
+    pub top: usize,
+    pub ids: &'a [u32],
+    pub values: &'a [f32],
+}
+
+impl<'a> Logprobs<'a> {
+    fn rows(self, first: usize, n: usize) -> Self {
+        let (a, b) = (first * self.top, (first + n) * self.top);
+        Logprobs {
+            token: &self.token[first..first + n],
+            ids: &self.ids[a..b],
+            values: &self.values[a..b],
+            ..self
+        }
+    }
 }
 
 impl<'a> Scores<'a> {
@@ -25,7 +50,9 @@ impl<'a> Scores<'a> {
             Scores::Logits(l, vocab) => {
                 Scores::Logits(&l[first * vocab..(first + n) * vocab], vocab)
             }
-            Scores::Tokens(ids) => Scores::Tokens(&ids[first..first + n]),
+            Scores::Tokens(ids, lp) => {
+                Scores::Tokens(&ids[first..first + n], lp.map(|l| l.rows(first, n)))
+            }
         }
     }
 
@@ -38,7 +65,7 @@ impl<'a> Scores<'a> {
     fn sample(self, row: &SamplingRow) -> u32 {
         match self {
             Scores::Logits(logits, _) => sample(logits, row),
-            Scores::Tokens(ids) => ids[0],
+            Scores::Tokens(ids, _) => ids[0],
         }
     }
 
@@ -46,7 +73,20 @@ impl<'a> Scores<'a> {
     fn logprobs(self, token: u32, top: usize) -> TokenLogprobs {
         match self {
             Scores::Logits(logits, _) => logprobs(logits, token, top),
-            Scores::Tokens(_) => panic!("log-probabilities asked of a step without logits"),
+            Scores::Tokens(ids, Some(lp)) => {
+                assert_eq!(
+                    ids[0], token,
+                    "a device row's log-probabilities are its token's"
+                );
+                let listed = (lp.ids.iter().zip(lp.values).take(top.min(lp.top)))
+                    .filter(|(&id, _)| id != NO_TOKEN)
+                    .map(|(&id, &v)| (id, v));
+                TokenLogprobs {
+                    logprob: lp.token[0],
+                    top: listed.collect(),
+                }
+            }
+            Scores::Tokens(_, None) => panic!("log-probabilities asked of a step without them"),
         }
     }
 
@@ -54,7 +94,7 @@ impl<'a> Scores<'a> {
     fn verify(self, children: &[u32], row: &SamplingRow, rng: &mut Rng) -> Result<usize, u32> {
         match self {
             Scores::Logits(logits, _) => verify(logits, children, row, rng),
-            Scores::Tokens(ids) => {
+            Scores::Tokens(ids, _) => {
                 assert!(
                     !row.is_sampled(),
                     "a sampled request's draft verified without its logits"
@@ -114,7 +154,7 @@ impl Scheduler {
         let rows: usize = step.slices.iter().map(|s| 1 + s.draft.len()).sum();
         match scores {
             Scores::Logits(logits, vocab) => assert_eq!(logits.len(), rows * vocab),
-            Scores::Tokens(ids) => assert_eq!(ids.len(), rows),
+            Scores::Tokens(ids, _) => assert_eq!(ids.len(), rows),
         }
         self.metrics.steps.add(1);
         let now = Instant::now();

@@ -23,7 +23,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use complete::Scores;
+pub use complete::{Logprobs, Scores};
 use request::Request;
 pub use request::{
     Event, FinishReason, SamplingParams, Submission, TokenLogprobs, Usage, EVENT_BUFFER,
@@ -278,13 +278,15 @@ impl Scheduler {
         // How each logits row is drawn on the device; only a sampled request's draft needs
         // its rows of logits back (verification weighs the whole distribution).
         let mut sampling = Some(Vec::new());
+        // The most alternatives a request's log-probabilities list, when one asks for them.
+        let mut top = None;
         for ((r, &n), draft) in self.running.iter().zip(&plan).zip(drafts) {
             if n == 0 {
                 continue;
             }
             let row = r.sampling_row(r.tokens.len());
-            let logits = r.params.logprobs.is_some() || r.constraint.is_some();
-            if (row.is_sampled() && !draft.is_empty()) || logits {
+            top = top.max(r.params.logprobs);
+            if (row.is_sampled() && !draft.is_empty()) || r.constraint.is_some() {
                 sampling = None;
             }
             if let Some(rows) = sampling.as_mut() {
@@ -312,6 +314,9 @@ impl Scheduler {
             return None;
         }
         let mut batch = Batch::last_logits(requests);
+        // Log-probabilities come from the device with the tokens (at least one alternative
+        // a row, so no buffer is empty).
+        batch.logprobs = top.filter(|_| sampling.is_some()).map(|t| t.max(1));
         batch.sampling = sampling;
         if slices.iter().any(|s| !s.draft.is_empty()) {
             batch.logits = LogitRows::Tails(slices.iter().map(|s| 1 + s.draft.len()).collect());

@@ -14,8 +14,12 @@
 //!
 //! Parameters outside their ranges (top_p <= 0, min_p > 1) cannot hang a cube: when no
 //! token is left above the bar, the last winner stands.
+mod logprobs;
+
 use cubecl::prelude::*;
 use kiln_core::sampling::SAMPLING_WORDS;
+
+pub use logprobs::{token_logprobs, MAX_TOP, NO_TOKEN};
 
 use crate::argmax::{check_rows, row_argmax, UNITS};
 use crate::buffer::{check_index_space, check_len};

@@ -4,11 +4,12 @@
 //! before each launch.
 use crate::cases::run_cases;
 use cubecl::prelude::*;
-use kiln_kernels::sample::sample_rows;
+use kiln_kernels::sample::{sample_rows, token_logprobs, MAX_TOP, NO_TOKEN};
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};
-use kiln_reference::sampling::{distribution, draw, kept, SamplingRow};
+use kiln_reference::sampling::{distribution, draw, kept, logprobs, SamplingRow};
 use kiln_reference::stats::{chi_square, critical_value_p001};
+use kiln_reference::tolerance::{gamma, DType};
 use proptest::prelude::*;
 
 const POISON: u32 = u32::MAX - 1;
@@ -256,7 +257,96 @@ fn rows_without_numbers_and_bad_shapes<R: Runtime>(client: &ComputeClient<R>) {
     );
 }
 
+/// The device's `(token log-probability, top ids, top log-probabilities)` of each row.
+fn device_logprobs<R: Runtime>(
+    client: &ComputeClient<R>,
+    logits: &[f32],
+    vocab: usize,
+    tokens: &[u32],
+    top: usize,
+) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
+    let rows = tokens.len();
+    let (lp, ids, top_lp) = (
+        DeviceArray::filled(client, rows, f32::NAN),
+        DeviceArray::filled(client, rows * top, POISON),
+        DeviceArray::filled(client, rows * top, f32::NAN),
+    );
+    token_logprobs(
+        client,
+        &DeviceArray::upload(client, logits),
+        rows,
+        vocab,
+        &DeviceArray::upload(client, tokens),
+        top,
+        &lp,
+        &ids,
+        &top_lp,
+    )
+    .unwrap();
+    (lp.read(client), ids.read(client), top_lp.read(client))
+}
+
+/// Log-probabilities as the definition gives them: the top ids exactly (ties to the lower
+/// id), values within the f32 error of a `vocab`-term sum and the subtraction after it
+/// (NaN on both sides for a row whose only numbers are minus infinity).
+fn logprobs_are_the_definitions<R: Runtime>(client: &ComputeClient<R>) {
+    let width = prop_oneof![1usize..=600, Just(163_840usize)];
+    let cases = (width, 1usize..=4, 1usize..=MAX_TOP, any::<u64>());
+    run_cases(16, &cases, |(vocab, rows, top, seed)| {
+        let mut rng = Rng::new(seed);
+        let x = logit_rows(&mut rng, rows, vocab);
+        let tokens: Vec<u32> = (0..rows).map(|_| rng.below(vocab) as u32).collect();
+        let (lp, ids, top_lp) = device_logprobs(client, &x, vocab, &tokens, top);
+        for r in 0..rows {
+            let row = &x[r * vocab..(r + 1) * vocab];
+            let (want, best) = logprobs(row, tokens[r], top);
+            let max = row
+                .iter()
+                .filter(|l| l.is_finite())
+                .fold(0f32, |m, l| m.max(l.abs()));
+            let close = |got: f32, want: f64| {
+                let allowed = gamma(vocab, DType::F32)
+                    + 8.0 * DType::F32.unit_roundoff() * (2.0 * max as f64 + want.abs() + 1.0);
+                (got as f64 == want)
+                    || (got.is_nan() && want.is_nan())
+                    || (got as f64 - want).abs() <= allowed
+            };
+            prop_assert!(close(lp[r], want), "row {r}: {} against {want}", lp[r]);
+            let got: Vec<u32> = ids[r * top..(r + 1) * top].to_vec();
+            let mut want_ids: Vec<u32> = best.iter().map(|b| b.0).collect();
+            want_ids.resize(top, NO_TOKEN);
+            prop_assert_eq!(&got, &want_ids, "row {}", r);
+            for (k, &(_, w)) in best.iter().enumerate() {
+                let g = top_lp[r * top + k];
+                prop_assert!(close(g, w), "row {r} top {k}: {g} against {w}");
+            }
+            for k in best.len()..top {
+                prop_assert_eq!(top_lp[r * top + k], f32::NEG_INFINITY);
+            }
+        }
+        Ok(())
+    });
+    let (_, ids, lp) = device_logprobs(client, &[f32::NAN, 1.0, f32::NAN], 3, &[0], 2);
+    assert_eq!((ids, lp[1]), (vec![1, NO_TOKEN], f32::NEG_INFINITY));
+    let logits = DeviceArray::upload(client, &[0.0f32; 3]);
+    let one = DeviceArray::<u32>::filled(client, 1, 0);
+    let f = DeviceArray::<f32>::filled(client, 64, 0.0);
+    let u = DeviceArray::<u32>::filled(client, 64, 0);
+    for top in [0, MAX_TOP + 1] {
+        let err = token_logprobs(client, &logits, 1, 3, &one, top, &f, &u, &f);
+        let refused = matches!(
+            err,
+            Err(KernelError::Range {
+                what: "top logprobs",
+                ..
+            })
+        );
+        assert!(refused, "{err:?}");
+    }
+}
+
 kiln_backends::backend_tests! {
+    logprobs_are_the_definitions,
     rows_draw_the_race_by_definition,
     draws_follow_the_distribution,
     a_row_draws_the_same_token_in_any_batch,

@@ -62,6 +62,22 @@ pub struct Batch {
     /// row), and return the tokens ([`StepOutput::tokens`]) instead of the rows: a token id
     /// a row read back instead of `vocab` floats.
     pub sampling: Option<Vec<SamplingRow>>,
+    /// With `sampling`, also each row's token's log-probability and this many most likely
+    /// alternatives ([`StepOutput::logprobs`]), computed on the device.
+    pub logprobs: Option<usize>,
+}
+
+/// Log-probabilities of a step's rows (`kiln_kernels::sample::token_logprobs`).
+#[derive(Clone, Debug, Default)]
+pub struct RowLogprobs {
+    /// Each row's token's log-probability.
+    pub token: Vec<f32>,
+    /// Alternatives a row lists.
+    pub top: usize,
+    /// `[rows, top]` ids (`kiln_kernels::sample::NO_TOKEN` past a row's numbers) and their
+    /// log-probabilities.
+    pub ids: Vec<u32>,
+    pub values: Vec<f32>,
 }
 
 /// What a step returns.
@@ -72,6 +88,8 @@ pub struct StepOutput {
     pub logits: Vec<f32>,
     /// With [`Batch::sampling`], each row's token.
     pub tokens: Vec<u32>,
+    /// With [`Batch::logprobs`], their log-probabilities.
+    pub logprobs: Option<RowLogprobs>,
     /// `(layer, [tokens, hidden])` for each layer in [`Batch::capture`], in that order.
     pub hidden: Vec<(usize, Vec<f32>)>,
     /// Kernel launches the step issued.
@@ -100,6 +118,7 @@ impl Batch {
             logits: LogitRows::All,
             capture: Vec::new(),
             sampling: None,
+            logprobs: None,
         }
     }
 

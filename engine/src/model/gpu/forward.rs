@@ -10,13 +10,15 @@ use kiln_kernels::mla::{
 use kiln_kernels::moe::{combine, dispatch, gather_rows, route, Dispatch, Routing};
 use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm};
 use kiln_kernels::rope::Rotation;
-use kiln_kernels::sample::sample_rows;
+use kiln_kernels::sample::{sample_rows, token_logprobs};
 use std::sync::atomic::Ordering;
 
 use kiln_kernels::{DeviceArray, KernelError};
 
 use super::batch::Plan;
-use super::{Attention, Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, QProj, StepOutput};
+use super::{
+    Attention, Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, QProj, RowLogprobs, StepOutput,
+};
 
 impl<R: Runtime> GpuModel<R> {
     /// Runs one step: appends the batch's tokens to the pool and returns their logits,
@@ -126,17 +128,46 @@ impl<R: Runtime> GpuModel<R> {
                 let params = DeviceArray::upload(cl, &words);
                 let ids = DeviceArray::<u32>::uninit(cl, rows);
                 self.launched(sample_rows(cl, &logits, rows, c.vocab_size, &params, &ids))?;
-                Some(ids)
+                let logprobs = match batch.logprobs {
+                    Some(top) => {
+                        let lp = [rows, rows * top, rows * top];
+                        let (token, values) = (self.scratch(lp[0]), self.scratch(lp[2]));
+                        let top_ids = DeviceArray::<u32>::uninit(cl, lp[1]);
+                        self.launched(token_logprobs(
+                            cl,
+                            &logits,
+                            rows,
+                            c.vocab_size,
+                            &ids,
+                            top,
+                            &token,
+                            &top_ids,
+                            &values,
+                        ))?;
+                        Some((token, top, top_ids, values))
+                    }
+                    None => None,
+                };
+                Some((ids, logprobs))
             }
         };
         let issue_seconds = issue_start.elapsed().as_secs_f64();
-        let (logits, tokens) = match ids {
-            None => (logits.read(cl), Vec::new()),
-            Some(ids) => (Vec::new(), ids.read(cl)),
+        let (logits, tokens, logprobs) = match ids {
+            None => (logits.read(cl), Vec::new(), None),
+            Some((ids, logprobs)) => {
+                let logprobs = logprobs.map(|(token, top, ids, values)| RowLogprobs {
+                    token: token.read(cl),
+                    top,
+                    ids: ids.read(cl),
+                    values: values.read(cl),
+                });
+                (Vec::new(), ids.read(cl), logprobs)
+            }
         };
         Ok(StepOutput {
             logits,
             tokens,
+            logprobs,
             hidden,
             launches: self.launches.load(Ordering::Relaxed) - launches_before,
             issue_seconds,

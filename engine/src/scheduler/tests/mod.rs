@@ -11,6 +11,7 @@ use tokio::sync::mpsc::{channel, Receiver};
 use super::*;
 use crate::cache::CacheKind;
 use crate::speculative::DrafterKind;
+use kiln_kernels::sample::NO_TOKEN;
 
 const VOCAB: usize = 50;
 
@@ -236,10 +237,31 @@ impl Run {
                 .collect(),
             None => Vec::new(),
         };
+        // And their log-probabilities, as the oracle gives them, when the step asks.
+        let lp = step.batch.logprobs.map(|top| {
+            let rows: Vec<_> = (logits.chunks(VOCAB).zip(&ids))
+                .map(|(l, &t)| kiln_reference::sampling::logprobs(l, t, top))
+                .collect();
+            let pad = |best: &[(u32, f64)]| {
+                let mut b: Vec<(u32, f32)> = best.iter().map(|&(i, v)| (i, v as f32)).collect();
+                b.resize(top, (NO_TOKEN, f32::NEG_INFINITY));
+                b
+            };
+            let listed: Vec<(u32, f32)> = rows.iter().flat_map(|(_, b)| pad(b)).collect();
+            let token: Vec<f32> = rows.iter().map(|(t, _)| *t as f32).collect();
+            let (ids, values): (Vec<u32>, Vec<f32>) = listed.into_iter().unzip();
+            (token, top, ids, values)
+        });
         let scores = match step.batch.sampling {
             Some(_) => {
                 self.device_steps += 1;
-                Scores::Tokens(&ids)
+                let lp = lp.as_ref().map(|(token, top, ids, values)| Logprobs {
+                    token,
+                    top: *top,
+                    ids,
+                    values,
+                });
+                Scores::Tokens(&ids, lp)
             }
             None => {
                 self.logit_steps += 1;
