@@ -25,6 +25,7 @@ mod openai;
 mod reasoning;
 mod responses;
 mod run;
+mod tojson;
 mod tools;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
