@@ -19,7 +19,8 @@ use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, PENALTIES};
 use super::grammar::output_format;
 use super::openai::{
-    chat_prompt, collect, forced_pieces, forced_prefix, reply_ends, reply_grammar, tool_calls,
+    chat_prompt, collect, forced_pieces, forced_prefix, reasoning, reply_ends, reply_grammar,
+    tool_calls,
 };
 use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames};
 use super::tools;
@@ -69,6 +70,8 @@ struct Item {
     name: Option<String>,
     arguments: Option<String>,
     output: Option<Value>,
+    /// A reasoning item's summary parts (`summary_text`).
+    summary: Option<Vec<Part>>,
 }
 
 #[derive(Deserialize)]
@@ -148,7 +151,20 @@ fn chat_messages(instructions: Option<String>, input: Input) -> Result<Vec<ChatM
                         ))
                     }
                 };
-                out.push(message(role, text_of(item.content, &at)?));
+                let text = text_of(item.content, &at)?;
+                match out.last_mut() {
+                    // The answer after a reasoning item: the same assistant turn.
+                    Some(last)
+                        if role == "assistant"
+                            && last.role == "assistant"
+                            && last.reasoning_content.is_some()
+                            && last.content == Some(Content::Text(String::new()))
+                            && last.tool_calls.is_none() =>
+                    {
+                        last.content = Some(Content::Text(text))
+                    }
+                    _ => out.push(message(role, text)),
+                }
             }
             "function_call" => {
                 let (Some(id), Some(name)) = (item.call_id, item.name) else {
@@ -175,6 +191,21 @@ fn chat_messages(instructions: Option<String>, input: Input) -> Result<Vec<ChatM
                         out.push(turn);
                     }
                 }
+            }
+            "reasoning" => {
+                // Earlier reasoning: its text, or else its summary, on the assistant turn.
+                let parts = match item.content {
+                    Some(ItemContent::Parts(p)) if !p.is_empty() => p,
+                    Some(ItemContent::Text(t)) => vec![Part {
+                        kind: "reasoning_text".into(),
+                        text: Some(t),
+                    }],
+                    _ => item.summary.unwrap_or_default(),
+                };
+                let text: Vec<String> = parts.into_iter().filter_map(|p| p.text).collect();
+                let mut turn = message("assistant", String::new());
+                turn.reasoning_content = Some(text.join("\n"));
+                out.push(turn);
             }
             "function_call_output" => {
                 let Some(id) = item.call_id else {
@@ -234,7 +265,7 @@ fn chat_tool_choice(choice: Option<Value>) -> Option<Value> {
     )
 }
 
-fn refuse(rest: &Map<String, Value>) -> Result<(), ApiError> {
+fn refuse(rest: &Map<String, Value>, thinks: bool) -> Result<(), ApiError> {
     let mut rest = rest.clone();
     for harmless in [
         "store",
@@ -248,7 +279,8 @@ fn refuse(rest: &Map<String, Value>) -> Result<(), ApiError> {
     // `text.format`: structured output, read by the handler.
     rest.remove("text");
     if let Some(reasoning) = rest.remove("reasoning") {
-        if !reasoning.is_null() {
+        // A thinking model reasons as it was trained to: `effort` is not a knob it has.
+        if !reasoning.is_null() && !thinks {
             return Err(invalid(
                 "reasoning is not supported by this model",
                 "reasoning",
@@ -279,7 +311,7 @@ pub async fn responses(
     };
     state.accepting()?;
     state.check_model(req.model.as_deref()).map_err(refused)?;
-    refuse(&req.rest).map_err(refused)?;
+    refuse(&req.rest, state.think.is_some()).map_err(refused)?;
     let declared = chat_tools(req.tools).map_err(refused)?;
     let choice = chat_tool_choice(req.tool_choice);
     let tools = tools::resolve(declared.as_ref(), choice.as_ref()).map_err(refused)?;
@@ -307,7 +339,11 @@ pub async fn responses(
     let format = output_format(&state, format, "text.format").map_err(refused)?;
     p.grammar = reply_grammar(&state, format, tools.as_ref()).map_err(refused)?;
     let pieces = start(&state, &p, session_id(&headers), end_of_text)?;
-    let mut pieces = forced_pieces(tools.as_ref(), pieces);
+    let pieces = forced_pieces(tools.as_ref(), pieces);
+    let mut pieces = match state.think {
+        Some(think) => pieces.split_reasoning(reasoning(&state, think, &p.prompt)),
+        None => pieces,
+    };
     let head = Head {
         id: format!("resp_{}", p.id),
         created: unix_time(),
@@ -319,6 +355,9 @@ pub async fn responses(
     let (text, outcome) = collect(&mut pieces).await?;
     let calls = tool_calls(&state, tools.as_ref(), pieces.ids());
     let mut output = Vec::new();
+    if let Some(r) = pieces.reasoning().filter(|r| !r.is_empty()) {
+        output.push(reasoning_item(&head.id, r));
+    }
     if !text.is_empty() || calls.is_empty() {
         output.push(message_item(&head.id, &text));
     }
@@ -364,6 +403,11 @@ fn message_item(id: &str, text: &str) -> Value {
            "content": [{"type": "output_text", "text": text, "annotations": []}]})
 }
 
+fn reasoning_item(id: &str, text: &str) -> Value {
+    json!({"type": "reasoning", "id": format!("rs_{id}"), "status": "completed", "summary": [],
+           "content": [{"type": "reasoning_text", "text": text}]})
+}
+
 fn call_item(id: &str, call: &ToolCall) -> Value {
     json!({"type": "function_call", "id": format!("fc_{id}_{}", call.id), "status": "completed",
            "call_id": call.id, "name": call.function.name, "arguments": call.function.arguments})
@@ -380,7 +424,7 @@ fn stream(
     tools: Option<tools::Tools>,
 ) -> Response {
     let mut seq = 0u64;
-    let mut text = String::new();
+    let (mut text, mut reasoning) = (String::new(), String::new());
     let mut started = false;
     let mut message_open = true;
     let mut calls = CallStream::new(forced_prefix(&state, tools.as_ref()));
@@ -458,8 +502,12 @@ fn stream(
                 "message": e.body()["error"]["message"], "param": null}),
             ),
             Ok(Piece::Delta {
-                text: t, ids: new, ..
+                text: t,
+                reasoning: r,
+                ids: new,
+                ..
             }) => {
+                reasoning.push_str(&r);
                 if !t.is_empty() {
                     text.push_str(&t);
                     emit(
@@ -505,6 +553,21 @@ fn stream(
                     (tool_calls(&state, tools.as_ref(), ids).iter())
                         .map(|c| call_item(&head.id, c)),
                 );
+                // A thinking model's reasoning, kept out of the text, as an item of its own
+                // after the others (its text is whole only now).
+                if !reasoning.is_empty() {
+                    let item = reasoning_item(&head.id, &reasoning);
+                    let index = output.len();
+                    emit(
+                        "response.output_item.added",
+                        json!({"output_index": index, "item": item}),
+                    );
+                    emit(
+                        "response.output_item.done",
+                        json!({"output_index": index, "item": item}),
+                    );
+                    output.push(item);
+                }
                 let done = match o.reason {
                     FinishReason::Length => "response.incomplete",
                     _ => "response.completed",
