@@ -150,12 +150,8 @@ impl TextCodec {
     /// The bytes token `id` stands for: its byte-level string read back through the
     /// alphabet, or else (SentencePiece, added tokens outside the alphabet) its decoded text.
     pub fn token_bytes(&self, id: u32) -> Vec<u8> {
-        let alphabet = byte_level_alphabet();
-        let bytes: Option<Vec<u8>> = self.tokenizer.id_to_token(id).and_then(|t| {
-            t.chars()
-                .map(|c| alphabet.iter().position(|&a| a == c).map(|b| b as u8))
-                .collect()
-        });
+        let bytes: Option<Vec<u8>> =
+            (self.tokenizer.id_to_token(id)).and_then(|t| t.chars().map(byte_of).collect());
         bytes.unwrap_or_else(|| {
             self.decode_with_special(&[id])
                 .unwrap_or_default()
@@ -167,6 +163,20 @@ impl TextCodec {
     pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
         self.tokenizer.decode(ids, true).map_err(|e| e.to_string())
     }
+}
+
+/// The byte a character of GPT-2's byte-level alphabet stands for (`None` outside it).
+fn byte_of(c: char) -> Option<u8> {
+    static TABLE: std::sync::OnceLock<Vec<Option<u8>>> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        let alphabet = byte_level_alphabet();
+        let mut table = vec![None; alphabet.iter().map(|&c| c as usize + 1).max().unwrap_or(0)];
+        for (b, &c) in alphabet.iter().enumerate() {
+            table[c as usize] = Some(b as u8);
+        }
+        table
+    });
+    table.get(c as usize).copied().flatten()
 }
 
 /// GPT-2's byte-level alphabet: each byte as the printable character byte-level BPE
@@ -199,5 +209,7 @@ mod tests {
         );
         let distinct: std::collections::HashSet<char> = c.iter().copied().collect();
         assert_eq!(distinct.len(), 256);
+        assert!((0..=255u8).all(|b| byte_of(c[b as usize]) == Some(b)));
+        assert_eq!(byte_of('\u{2603}'), None);
     }
 }
