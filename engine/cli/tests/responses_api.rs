@@ -204,6 +204,7 @@ ask = dict(model=sys.argv[2], input="hi", max_output_tokens=16, reasoning={"effo
 r = c.responses.create(**ask)
 assert [o.type for o in r.output] == ["reasoning", "message"], r.output
 assert r.output[0].content[0].text == "Hm" and r.output_text == "!", r
+assert r.usage.output_tokens_details.reasoning_tokens == 3, r.usage
 events = list(c.responses.create(stream=True, **ask))
 final = events[-1].response
 assert sorted(o.type for o in final.output) == ["message", "reasoning"], final.output

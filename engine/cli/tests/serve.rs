@@ -651,6 +651,8 @@ async fn a_thinking_models_reasoning_comes_apart_from_its_answer() {
     assert_eq!(message["reasoning_content"], "Hm", "{reply}");
     assert_eq!(message["content"], "!", "{reply}");
     assert_eq!(reply["usage"]["completion_tokens"], 4, "{reply}"); // H m </think> !
+    let details = &reply["usage"]["completion_tokens_details"];
+    assert_eq!(details["reasoning_tokens"], 3, "{reply}"); // H m </think>
 
     let mut streamed = ask.clone();
     streamed["stream"] = json!(true);

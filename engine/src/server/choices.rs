@@ -49,7 +49,10 @@ impl Total {
         self.left -= 1;
         match &mut self.outcome {
             None => self.outcome = Some(o.clone()),
-            Some(t) => t.usage.completion_tokens += o.usage.completion_tokens,
+            Some(t) => {
+                t.usage.completion_tokens += o.usage.completion_tokens;
+                t.reasoning_tokens += o.reasoning_tokens;
+            }
         }
         (self.left == 0).then(|| self.usage())
     }

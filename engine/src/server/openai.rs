@@ -160,6 +160,7 @@ pub(super) fn usage_json(o: &Outcome) -> Value {
         "completion_tokens": o.usage.completion_tokens,
         "total_tokens": o.usage.prompt_tokens + o.usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": o.usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": o.reasoning_tokens},
     })
 }
 

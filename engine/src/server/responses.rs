@@ -390,7 +390,7 @@ impl Head {
                 "input_tokens": o.usage.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": o.usage.cached_tokens},
                 "output_tokens": o.usage.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": o.reasoning_tokens},
                 "total_tokens": o.usage.prompt_tokens + o.usage.completion_tokens,
             })),
         })

@@ -294,6 +294,9 @@ pub struct Outcome {
     pub usage: Usage,
     /// The stop string that ended it, if one did.
     pub stop_string: Option<String>,
+    /// Generated tokens that were a thinking model's reasoning (its think tokens among
+    /// them), when the reasoning was split off.
+    pub reasoning_tokens: usize,
 }
 
 /// Turns engine events into [`Piece`]s with stop strings applied.
@@ -310,6 +313,8 @@ pub struct Pieces {
     reasoning: Option<Reasoning>,
     /// Every generated id.
     ids: Vec<u32>,
+    /// How many of them went to the reasoning.
+    reasoning_tokens: usize,
     prompt_tokens: usize,
     cached_tokens: usize,
     logprobs: Vec<TokenLogprobs>,
@@ -334,6 +339,7 @@ impl Pieces {
             detok,
             reasoning: None,
             ids: Vec::new(),
+            reasoning_tokens: 0,
             prompt_tokens,
             cached_tokens: 0,
             logprobs: Vec::new(),
@@ -403,7 +409,10 @@ impl Pieces {
             Some(Event::Token(t, logprobs)) => {
                 self.ids.push(t);
                 let (text, reasoning) = match self.reasoning.as_mut().map(|r| r.route(t)) {
-                    Some(Route::Reasoning(r)) => (String::new(), r),
+                    Some(Route::Reasoning(r)) => {
+                        self.reasoning_tokens += 1;
+                        (String::new(), r)
+                    }
                     Some(Route::Answer(rest)) => (self.detok.push(t), rest),
                     None => (self.detok.push(t), String::new()),
                 };
@@ -460,6 +469,7 @@ impl Pieces {
             reason,
             usage,
             stop_string,
+            reasoning_tokens: self.reasoning_tokens,
         })));
         self.done = true;
     }
