@@ -246,48 +246,6 @@ print("ok", len(text))
     run_python_client(script, &server.url, "anthropic", "anthropic==2.17.0");
 }
 
-/// A thinking model's reasoning is a thinking block (whole and streamed) when the request
-/// enables thinking, and left out of the text when it does not; thinking blocks sent back
-/// reach the template. Read by Anthropic's Python client on the scripted
-/// [`common::thinking_model`] (reasoning "Hm", answer "!").
-#[test]
-fn a_thinking_models_reasoning_is_a_thinking_block() {
-    let dir = tempfile::tempdir().unwrap();
-    common::thinking_model(dir.path());
-    let server = Server::start(&["--model", dir.path().to_str().unwrap()]);
-    let model = dir.path().file_name().unwrap().to_str().unwrap();
-    let script = r#"
-import sys, anthropic
-c = anthropic.Anthropic(base_url=sys.argv[1], api_key="unused", max_retries=0)
-ask = dict(model=sys.argv[2], max_tokens=16, messages=[{"role": "user", "content": "hi"}])
-on = dict(thinking={"type": "enabled", "budget_tokens": 1024}, **ask)
-m = c.messages.create(**on)
-assert [b.type for b in m.content] == ["thinking", "text"], m.content
-assert (m.content[0].thinking, m.content[1].text) == ("Hm", "!"), m.content
-with c.messages.stream(**on) as s:
-    final = s.get_final_message()
-assert [b.type for b in final.content] == ["thinking", "text"], final.content
-assert (final.content[0].thinking, final.content[1].text) == ("Hm", "!"), final.content
-off = c.messages.create(**ask)
-assert [(b.type, b.text) for b in off.content] == [("text", "!")], off.content
-again = c.messages.create(**dict(on, messages=[{"role": "user", "content": "hi"},
-    {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hm", "signature": ""},
-                                      {"type": "text", "text": "!"}]},
-    {"role": "user", "content": "more"}]))
-assert again.content[0].type == "thinking", again.content
-print("ok")
-"#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script, &server.url, model])
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A server started with `--api-key` takes the key as Anthropic's clients send it
 /// (`x-api-key`), and refuses a wrong one with 401.
 #[test]

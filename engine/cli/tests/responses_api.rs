@@ -188,47 +188,6 @@ async fn what_the_server_cannot_honour_is_refused_naming_the_field() {
     }
 }
 
-/// A thinking model's reasoning is a `reasoning` item, whole and streamed, kept out of the
-/// output text; reasoning items sent back are accepted. OpenAI's client on the scripted
-/// [`common::thinking_model`] (reasoning "Hm", answer "!").
-#[test]
-fn a_thinking_models_reasoning_is_a_reasoning_item() {
-    let dir = tempfile::tempdir().unwrap();
-    common::thinking_model(dir.path());
-    let server = Server::start(&["--model", dir.path().to_str().unwrap()]);
-    let model = dir.path().file_name().unwrap().to_str().unwrap();
-    let script = r#"
-import sys, openai
-c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused", max_retries=0)
-ask = dict(model=sys.argv[2], input="hi", max_output_tokens=16, reasoning={"effort": "low"})
-r = c.responses.create(**ask)
-assert [o.type for o in r.output] == ["reasoning", "message"], r.output
-assert r.output[0].content[0].text == "Hm" and r.output_text == "!", r
-assert r.usage.output_tokens_details.reasoning_tokens == 3, r.usage
-events = list(c.responses.create(stream=True, **ask))
-final = events[-1].response
-assert sorted(o.type for o in final.output) == ["message", "reasoning"], final.output
-assert final.output_text == "!", final
-deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-assert deltas == "!", deltas
-back = c.responses.create(**dict(ask, input=[{"role": "user", "content": "hi"},
-    {"type": "reasoning", "id": "rs_1", "summary": [],
-     "content": [{"type": "reasoning_text", "text": "Hm"}]},
-    {"role": "assistant", "content": "!"}, {"role": "user", "content": "more"}]))
-assert back.output_text == "!", back
-print("ok")
-"#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script, &server.url, model])
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// OpenAI's own client: `responses.create`, streamed and not, parses what the server sends.
 #[test]
 fn the_official_python_sdk_creates_and_streams_responses() {

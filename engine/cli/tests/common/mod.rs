@@ -113,32 +113,3 @@ pub fn scripted_model(dir: &Path, next: impl Fn(usize) -> usize) {
     });
     safetensors::serialize_to_file(views, None, &path).unwrap();
 }
-
-/// A scripted thinking model in `dir`: the tiny model with two special tokens respelled as
-/// `<think>` and `</think>`, a template whose generation prompt opens the reasoning, and
-/// weights that then write `H` `m` `</think>` `!` and end: its reasoning is "Hm", its
-/// answer "!".
-pub fn thinking_model(dir: &Path) {
-    let codec = kiln::model::default_model::codec();
-    let one = |s: &str| -> usize {
-        let ids = codec.encode(s).unwrap();
-        assert_eq!(ids.len(), 1, "{s} is one token");
-        ids[0] as usize
-    };
-    let (open, close, eos) = (12, 3, 1); // [PAD] and <|im_user|> respelled; [EOS]
-    let (a, b, c) = (one("H"), one("m"), one("!"));
-    let script = [(open, a), (a, b), (b, close), (close, c)];
-    let classes: std::collections::HashSet<usize> = script.iter().map(|(t, _)| t % 128).collect();
-    assert_eq!(classes.len(), script.len(), "distinct embedding dimensions");
-    scripted_model(dir, |d| {
-        (script.iter().find(|(t, _)| t % 128 == d)).map_or(eos, |&(_, n)| n)
-    });
-    let tokenizer = std::fs::read_to_string(dir.join("tokenizer.json")).unwrap();
-    let tokenizer = tokenizer
-        .replace("\"[PAD]\"", "\"<think>\"")
-        .replace("\"<|im_user|>\"", "\"</think>\"");
-    std::fs::write(dir.join("tokenizer.json"), tokenizer).unwrap();
-    let template = "{% for m in messages %}{{ m.content }}{% endfor %}<think>";
-    let config = serde_json::json!({"chat_template": template, "eos_token": "[EOS]"});
-    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
-}
