@@ -32,9 +32,10 @@ pub struct ChatTemplate {
     bos_token: String,
     eos_token: String,
     eos_id: Option<u32>,
-    /// Special-token strings and their ids, and automata over the strings: the leftmost
-    /// longest match (a rendered prompt's tokens) and every match (what to mark).
-    specials: Vec<(String, u32)>,
+    /// The ids of the special tokens, and automata over their strings (patterns in the
+    /// same order): the leftmost longest match (a rendered prompt's tokens) and every
+    /// match (what to mark).
+    special_ids: Vec<u32>,
     leftmost: AhoCorasick,
     every: AhoCorasick,
 }
@@ -66,13 +67,13 @@ impl ChatTemplate {
             .map_err(|e| e.to_string())?;
         let every = AhoCorasick::new(strings).map_err(|e| e.to_string())?;
         Ok(ChatTemplate {
+            special_ids: specials.iter().map(|(_, id)| *id).collect(),
             leftmost,
             every,
             env,
             bos_token: codec.bos_token.clone().unwrap_or_default(),
             eos_token: codec.eos_token.clone().unwrap_or_default(),
             eos_id: codec.eos_token.as_deref().and_then(|t| codec.token_id(t)),
-            specials,
         })
     }
 
@@ -108,11 +109,11 @@ impl ChatTemplate {
 
     /// Token ids of rendered text: the template's special tokens as their ids, the text
     /// between them unmarked and encoded as plain text.
-    pub fn encode(&self, codec: &TextCodec, rendered: &str) -> Result<Vec<u32>, String> {
+    fn encode(&self, codec: &TextCodec, rendered: &str) -> Result<Vec<u32>, String> {
         let (mut ids, mut at) = (Vec::new(), 0);
         for m in self.leftmost.find_iter(rendered) {
             ids.extend(codec.encode_plain(&unmark(&rendered[at..m.start()]))?);
-            ids.push(self.specials[m.pattern().as_usize()].1);
+            ids.push(self.special_ids[m.pattern().as_usize()]);
             at = m.end();
         }
         ids.extend(codec.encode_plain(&unmark(&rendered[at..]))?);
@@ -452,7 +453,8 @@ mod tests {
         fn unmarking_undoes_marking(s in text()) {
             let t = kimi(&codec());
             let marked = t.mark_text(&s);
-            prop_assert!(t.specials.iter().all(|(sp, _)| !marked.contains(sp.as_str())));
+            let specials = codec().added_tokens();
+            prop_assert!(specials.iter().all(|(sp, _)| !marked.contains(sp.as_str())));
             prop_assert_eq!(unmark(&marked), s);
         }
     }
