@@ -22,7 +22,8 @@ use super::openai::{
     chat_prompt, collect, forced_pieces, forced_prefix, reasoning, reply_ends, reply_grammar,
     tool_calls,
 };
-use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames, Stop};
+use super::pieces::{Outcome, Piece, Pieces};
+use super::run::{named_sse, prepare, start, RawSampling, SamplingNames, Stop};
 use super::tools::{self, Tools};
 use super::{session_id, SharedState};
 use crate::scheduler::FinishReason;
@@ -394,7 +395,7 @@ fn usage(o: &Outcome) -> Value {
 /// stop; then a `tool_use` block per call as it generates (its start once the call's id is
 /// complete, its input as `input_json_delta` fragments, [`CallStream`]); `message_delta`
 /// with the stop reason and usage, `message_stop`. Blocks are numbered as they start.
-fn stream(state: SharedState, pieces: super::run::Pieces, reply: Reply) -> Response {
+fn stream(state: SharedState, pieces: Pieces, reply: Reply) -> Response {
     let mut started = false;
     let mut calls = CallStream::new(forced_prefix(&state, reply.tools.as_ref()));
     // The content block open now, the text block's index once it started, blocks started,

@@ -3,7 +3,8 @@
 use serde_json::Value;
 
 use super::openai::{collect, usage_json};
-use super::run::{start, Outcome, Pieces, Prepared};
+use super::pieces::{Outcome, Pieces};
+use super::run::{start, Prepared};
 use super::{ApiError, AppState};
 
 /// The choices' generations, each started as its own engine request.

@@ -12,9 +12,8 @@ use serde_json::{json, Value};
 use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, SGLANG_SAMPLING};
 use super::logprobs::with_logprobs;
-use super::run::{
-    prepare, sse, start, Outcome, Piece, RawSampling, Stop, MAX_TOP_LOGPROBS, SGLANG_NAMES,
-};
+use super::pieces::{Outcome, Piece};
+use super::run::{prepare, sse, start, RawSampling, Stop, MAX_TOP_LOGPROBS, SGLANG_NAMES};
 use super::{session_id, SharedState};
 
 #[derive(Deserialize, Default)]

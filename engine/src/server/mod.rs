@@ -22,6 +22,7 @@ mod generate;
 mod grammar;
 mod logprobs;
 mod openai;
+mod pieces;
 mod reasoning;
 mod responses;
 mod run;

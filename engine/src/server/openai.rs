@@ -17,10 +17,9 @@ use super::error::{ApiError, ApiJson};
 use super::fields::{refuse_unsupported, OPENAI};
 use super::grammar::{output_format, Grammar};
 use super::logprobs::{chat_logprobs, completion_logprobs};
+use super::pieces::{Outcome, Piece, Pieces};
 use super::reasoning::{Reasoning, ThinkTokens};
-use super::run::{
-    prepare, sse_choices, Outcome, Piece, Pieces, RawSampling, Stop, MAX_TOP_LOGPROBS, OPENAI_NAMES,
-};
+use super::run::{prepare, sse_choices, RawSampling, Stop, MAX_TOP_LOGPROBS, OPENAI_NAMES};
 use super::tools::{self, Tools};
 use super::{session_id, unix_time, AppState, SharedState};
 use crate::scheduler::FinishReason;

@@ -22,7 +22,8 @@ use super::openai::{
     chat_prompt, collect, forced_pieces, forced_prefix, reasoning, reply_ends, reply_grammar,
     tool_calls,
 };
-use super::run::{named_sse, prepare, start, Outcome, Piece, RawSampling, SamplingNames};
+use super::pieces::{Outcome, Piece, Pieces};
+use super::run::{named_sse, prepare, start, RawSampling, SamplingNames};
 use super::tools;
 use super::{session_id, unix_time, SharedState};
 use crate::scheduler::FinishReason;
@@ -417,12 +418,7 @@ fn call_item(id: &str, call: &ToolCall) -> Value {
 /// deltas (closed when the text ends), a function-call item per call as it generates (added
 /// once the call's id is complete, its arguments as deltas, [`CallStream`]), then completed
 /// (or incomplete).
-fn stream(
-    state: SharedState,
-    pieces: super::run::Pieces,
-    head: Head,
-    tools: Option<tools::Tools>,
-) -> Response {
+fn stream(state: SharedState, pieces: Pieces, head: Head, tools: Option<tools::Tools>) -> Response {
     let mut seq = 0u64;
     let (mut text, mut reasoning) = (String::new(), String::new());
     let mut started = false;
