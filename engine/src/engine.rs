@@ -20,10 +20,10 @@ use kiln_kernels::Precision;
 use crate::cache::CacheKind;
 use crate::metrics::{Metrics, StepKind};
 use crate::model::gpu::{
-    Batch, GpuModel, HostKv, KvPool, ModelError, RequestSlice, SyntheticQuant,
+    Batch, GpuModel, HostKv, KvPool, Launched, ModelError, RequestSlice, SyntheticQuant,
 };
 use crate::model::Checkpoint;
-use crate::scheduler::{policy, Logprobs, Scheduler, SchedulerConfig, Scores, Submission};
+use crate::scheduler::{policy, Logprobs, Scheduler, SchedulerConfig, Scores, Step, Submission};
 use crate::speculative::SpecConfig;
 use kiln_core::model::ModelConfig;
 
@@ -101,6 +101,9 @@ pub struct EngineConfig {
     pub stall_timeout: Duration,
     /// Speculative decoding (`None`: off).
     pub speculative: Option<SpecConfig>,
+    /// Plan and issue each step while the device runs the one before, where the step
+    /// before draws all its tokens on the device (see `run`).
+    pub overlap: bool,
 }
 
 /// What the server needs to know about the running model.
@@ -306,6 +309,7 @@ impl BackendVisitor for Runner {
             &self.requests,
             vocab,
             &self.metrics,
+            self.cfg.overlap,
         );
     }
 }
@@ -351,8 +355,16 @@ fn warm_up<R: Runtime>(
     Ok(())
 }
 
-/// The engine loop: take new requests, drop cancelled ones, run a step, hand out its
-/// tokens; block while idle. Returns when the server side hangs up.
+/// The engine loop: take new requests, drop cancelled ones, plan and issue a step, hand
+/// out the tokens of the step before; block while idle. Returns when the server side hangs
+/// up.
+///
+/// With `overlap`, a step whose tokens are all drawn on the device is booked as run
+/// ([`Scheduler::advance`]) and left in flight: the next step is planned and issued while
+/// the device runs it, reading its tokens on the device, and only then are its tokens read
+/// back and handed out. A step that needs the host between it and the next (rows of
+/// logits, drafts, captured states) is waited for before the next is planned.
+#[allow(clippy::too_many_arguments)]
 fn run<R: Runtime>(
     model: &GpuModel<R>,
     pool: &KvPool,
@@ -361,10 +373,12 @@ fn run<R: Runtime>(
     requests: &Receiver<Submission>,
     vocab: usize,
     metrics: &Metrics,
+    overlap: bool,
 ) {
+    let mut in_flight: Option<InFlight> = None;
     loop {
         // Idle: block for work (waking now and then to notice a closed channel).
-        while sched.is_idle() {
+        while in_flight.is_none() && sched.is_idle() {
             match requests.recv_timeout(Duration::from_millis(500)) {
                 Ok(s) => sched.add(s),
                 Err(RecvTimeoutError::Timeout) => {}
@@ -377,57 +391,107 @@ fn run<R: Runtime>(
         let start = Instant::now();
         sched.abort_cancelled();
         sched.abort_stalled(start);
-        let Some(step) = sched.schedule() else {
-            // Waiting requests that cannot start yet: wait for new work, not spin.
-            std::thread::sleep(Duration::from_millis(1));
+        let Some(mut step) = sched.schedule() else {
+            match in_flight.take() {
+                Some(f) => f.finish(sched, vocab, metrics),
+                // Waiting requests that cannot start yet: wait for new work, not spin.
+                None => std::thread::sleep(Duration::from_millis(1)),
+            }
             continue;
         };
         let copied = host.apply(model.client(), pool, &step.copies);
         let planned = Instant::now();
-        let out = copied.map_err(ModelError::from).and_then(|copied| {
+        let launched = copied.map_err(ModelError::from).and_then(|copied| {
             metrics.kv_bytes_to_host.add(copied.to_host);
             metrics.kv_bytes_to_device.add(copied.to_device);
-            model.step(&step.batch, pool)
+            let previous = in_flight.as_ref().and_then(|f| f.launched.sampled());
+            model.launch(&step.batch, pool, previous)
         });
-        match out {
-            Ok(out) => {
-                let ran = Instant::now();
-                let kind = if step.is_decode() {
-                    StepKind::Decode
-                } else {
-                    StepKind::Prefill
-                };
-                let shape = step.decode_shape();
-                let scores = match step.batch.sampling {
-                    Some(_) => {
-                        let lp = out.logprobs.as_ref().map(|l| Logprobs {
-                            token: &l.token,
-                            top: l.top,
-                            ids: &l.ids,
-                            values: &l.values,
-                        });
-                        Scores::Tokens(&out.tokens, lp)
-                    }
-                    None => Scores::Logits(&out.logits, vocab),
-                };
-                sched.complete(step, scores);
-                if let Some(shape) = shape {
-                    sched.observe_step(shape, start.elapsed().as_secs_f64());
+        // The step before ends while this one runs.
+        if let Some(f) = in_flight.take() {
+            metrics.overlapped_steps.add(1);
+            f.finish(sched, vocab, metrics);
+        }
+        match launched {
+            Ok(launched) => {
+                if overlap && sched.can_overlap(&step) {
+                    sched.advance(&mut step);
                 }
-                let issue = Duration::from_secs_f64(out.issue_seconds);
-                metrics.record_step(
-                    kind,
-                    planned - start,
-                    issue,
-                    (ran - planned).saturating_sub(issue),
-                    ran.elapsed(),
-                );
+                let f = InFlight {
+                    step,
+                    launched,
+                    start,
+                    schedule: planned - start,
+                };
+                match f.step.is_advanced() {
+                    true => in_flight = Some(f),
+                    false => f.finish(sched, vocab, metrics),
+                }
             }
             Err(e) => {
                 tracing::error!(error = %e, "step failed");
                 sched.fail(step, &e.to_string());
             }
         }
+    }
+}
+
+/// A step issued to the device whose tokens are still to be read.
+struct InFlight<'m> {
+    step: Step,
+    launched: Launched<'m>,
+    /// When its planning began, and how long planning took.
+    start: Instant,
+    schedule: Duration,
+}
+
+impl InFlight<'_> {
+    /// Waits for the step, hands its tokens to the scheduler and records its times.
+    fn finish(self, sched: &mut Scheduler, vocab: usize, metrics: &Metrics) {
+        let InFlight {
+            step,
+            launched,
+            start,
+            schedule,
+        } = self;
+        let waited = Instant::now();
+        let out = match launched.wait() {
+            Ok(out) => out,
+            Err(e) => {
+                tracing::error!(error = %e, "step failed");
+                return sched.fail(step, &e.to_string());
+            }
+        };
+        let ran = Instant::now();
+        let kind = if step.is_decode() {
+            StepKind::Decode
+        } else {
+            StepKind::Prefill
+        };
+        let shape = step.decode_shape();
+        let scores = match step.batch.sampling {
+            Some(_) => {
+                let lp = out.logprobs.as_ref().map(|l| Logprobs {
+                    token: &l.token,
+                    top: l.top,
+                    ids: &l.ids,
+                    values: &l.values,
+                });
+                Scores::Tokens(&out.tokens, lp)
+            }
+            None => Scores::Logits(&out.logits, vocab),
+        };
+        sched.complete(step, scores);
+        if let Some(shape) = shape {
+            sched.observe_step(shape, start.elapsed().as_secs_f64());
+        }
+        metrics.record_step(
+            kind,
+            schedule,
+            Duration::from_secs_f64(out.issue_seconds),
+            ran - waited,
+            ran.elapsed(),
+        );
     }
 }
 

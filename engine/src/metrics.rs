@@ -124,6 +124,8 @@ pub struct Metrics {
     pub requests_rejected: Counter,
     pub preemptions: Counter,
     pub steps: Counter,
+    /// Steps planned and issued while the step before was still on the device.
+    pub overlapped_steps: Counter,
     /// Where the engine thread's time goes, step by step, for decode steps and for steps
     /// that prefill ([`StepKind`]).
     pub step_times: [StepTimes; 2],
@@ -162,6 +164,7 @@ impl Default for Metrics {
             requests_aborted: Counter::default(),
             requests_rejected: Counter::default(),
             preemptions: Counter::default(),
+            overlapped_steps: Counter::default(),
             steps: Counter::default(),
             step_times: Default::default(),
             spec_drafted_tokens: Counter::default(),
@@ -369,6 +372,11 @@ impl Metrics {
             self.preemptions.get(),
         );
         counter("steps_total", "Forward steps run.", self.steps.get());
+        counter(
+            "overlapped_steps_total",
+            "Steps planned and issued while the step before ran on the device.",
+            self.overlapped_steps.get(),
+        );
         counter(
             "spec_drafted_tokens_total",
             "Tokens drafted for speculative decoding.",

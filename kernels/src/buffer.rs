@@ -1,8 +1,11 @@
 //! A device buffer that knows its element type and length, so launches can validate shapes.
+use std::future::Future;
 use std::marker::PhantomData;
+use std::pin::Pin;
 
 use cubecl::prelude::*;
-use cubecl::server::Handle;
+use cubecl::bytes::Bytes;
+use cubecl::server::{Handle, ServerError};
 
 /// `len` elements of `T` in device memory.
 pub struct DeviceArray<T> {
@@ -65,11 +68,38 @@ impl<T: CubeElement> DeviceArray<T> {
         T::from_bytes(&bytes)[..self.len].to_vec()
     }
 
+    /// Enqueues a read of the buffer now, after the kernels issued so far, and returns what
+    /// waits for it: the host may issue more work before [`PendingRead::wait`], and the wait
+    /// is for this read only, not for that later work.
+    pub fn read_later<'a, R: Runtime>(&self, client: &'a ComputeClient<R>) -> PendingRead<'a, T> {
+        PendingRead {
+            read: Box::pin(client.read_async(vec![self.handle.clone()])),
+            len: self.len,
+            _elem: PhantomData,
+        }
+    }
+
     /// The kernel argument viewing this buffer (also for kernels outside this crate, such as
     /// a benchmark's input generator).
     pub fn arg<R: Runtime>(&self) -> ArrayArg<R> {
         // SAFETY: `len` elements of `T` were allocated for this handle.
         unsafe { ArrayArg::from_raw_parts(self.handle.clone(), self.len) }
+    }
+}
+
+/// A read of a [`DeviceArray`] in flight ([`DeviceArray::read_later`]), borrowing the
+/// client it was enqueued on.
+pub struct PendingRead<'a, T> {
+    read: Pin<Box<dyn Future<Output = Result<Vec<Bytes>, ServerError>> + Send + 'a>>,
+    len: usize,
+    _elem: PhantomData<T>,
+}
+
+impl<T: CubeElement> PendingRead<'_, T> {
+    /// The buffer's contents, once the device has written them (blocks until then).
+    pub fn wait(self) -> Result<Vec<T>, ServerError> {
+        let bytes = cubecl::reader::read_sync(self.read)?;
+        Ok(T::from_bytes(&bytes[0])[..self.len].to_vec())
     }
 }
 

@@ -40,7 +40,7 @@ pub mod tensor_cores;
 pub mod tree_verify;
 mod warp_mma;
 
-pub use buffer::DeviceArray;
+pub use buffer::{DeviceArray, PendingRead};
 pub use error::KernelError;
 
 /// What the GEMM and attention launches may round. With `Bf16` they use the tensor cores

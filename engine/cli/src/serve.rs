@@ -105,6 +105,13 @@ pub struct ServeArgs {
     /// --speculative simulate.
     #[arg(long, value_name = "LEN")]
     simulated_accept_len: Option<f64>,
+    /// Plan and issue each step only after the step before has been read back (SGLang's
+    /// flag of this name). By default a step whose tokens are all drawn on the device
+    /// stays in flight while the next is planned and issued, which reads its tokens on the
+    /// device; a step whose rows the host reads (a JSON schema's masks, drafts to verify)
+    /// is waited for either way. Outputs are the same.
+    #[arg(long)]
+    disable_overlap_schedule: bool,
 }
 
 /// `--speculative`.
@@ -260,6 +267,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         host_kv_bytes: host_kv_bytes(args.host_kv_gib)?,
         stall_timeout,
         speculative: speculative(&args)?,
+        overlap: !args.disable_overlap_schedule,
     };
     let engine = engine::start(cfg, source)?;
     let chat = KimiFormat::new(&codec).ok();

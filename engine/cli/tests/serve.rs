@@ -548,6 +548,51 @@ async fn speculative_decoding_over_http_gives_the_same_greedy_tokens() {
     eprintln!("accepted {accepted} drafted tokens over {verified} verification steps");
 }
 
+/// The overlapped schedule (the default: each step planned and issued while the one before
+/// runs, its input ids read on the device) against `--disable-overlap-schedule`: the same
+/// tokens over HTTP for greedy and seeded sampled requests, with log-probabilities, stop
+/// ids and lengths that end requests mid-batch, sent together into a pool small enough
+/// to preempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_overlapped_schedule_gives_the_same_tokens_as_waiting_for_each_step() {
+    let small_pool = ["--page-size", "16", "--kv-pages", "12", "--host-kv-gib", "0"];
+    let overlapped = Server::start(&small_pool);
+    let waiting = Server::start(&[&small_pool[..], &["--disable-overlap-schedule"]].concat());
+    let bodies: Vec<Value> = (0..12u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..20 + 3 * i).map(|t| 5 + (t * 31 + i * 7) % 400).collect();
+            let mut params = json!({"max_new_tokens": 8 + 5 * (i % 5), "ignore_eos": true,
+                                    "temperature": if i % 2 == 0 { 0.0 } else { 0.9 },
+                                    "seed": i});
+            if i % 4 == 1 {
+                params["stop_token_ids"] = json!((5..45).collect::<Vec<u32>>());
+            }
+            json!({"input_ids": prompt, "sampling_params": params,
+                   "return_logprob": i % 3 == 0, "top_logprobs_num": 2})
+        })
+        .collect();
+    let run = |url: String| {
+        let bodies = bodies.clone();
+        async move {
+            let url = format!("{url}/generate");
+            let calls = bodies.iter().map(|b| post(&url, b.to_string(), None));
+            futures_util::future::join_all(calls).await
+        }
+    };
+    let (a, b) = tokio::join!(run(overlapped.url.clone()), run(waiting.url.clone()));
+    for (i, ((sa, ra), (sb, rb))) in a.iter().zip(&b).enumerate() {
+        assert_eq!((*sa, *sb), (200, 200), "{ra} {rb}");
+        assert_eq!(ra["output_ids"], rb["output_ids"], "request {i}");
+        assert_eq!(
+            ra["meta_info"]["finish_reason"], rb["meta_info"]["finish_reason"],
+            "request {i}"
+        );
+    }
+    assert!(overlapped.metric("kiln_overlapped_steps_total") > 0.0);
+    assert_eq!(waiting.metric("kiln_overlapped_steps_total"), 0.0);
+    assert!(overlapped.metric("kiln_preemptions_total") + waiting.metric("kiln_preemptions_total") > 0.0);
+}
+
 /// Agent sessions whose histories outgrow the device pool (12 pages of 16 tokens for six
 /// sessions of up to ~180 tokens), turn after turn: with the host tier the later turns hit
 /// what the device pool evicted (copied back), and the greedy outputs are those of a

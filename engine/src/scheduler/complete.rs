@@ -147,9 +147,10 @@ fn follow(r: &mut Request, eos: &[u32], token: u32) -> bool {
 
 impl Scheduler {
     /// Takes the scores of `step` (a row per slice, plus one per drafted token):
-    /// advances each request, samples where a request's pending tokens are all computed
-    /// (verifying its draft first: the accepted path, then one token of the model's own),
-    /// sends its events and retires finished requests.
+    /// advances each request (unless [`Self::advance`] did), samples where a request's
+    /// pending tokens are all computed (verifying its draft first: the accepted path, then
+    /// one token of the model's own), sends its events and retires finished requests.
+    /// An advanced step's requests that left meanwhile, or were preempted, are skipped.
     pub fn complete(&mut self, step: Step, scores: Scores) {
         let rows: usize = step.slices.iter().map(|s| 1 + s.draft.len()).sum();
         match scores {
@@ -160,17 +161,28 @@ impl Scheduler {
         let now = Instant::now();
         let mut finished = Vec::new();
         let mut row = 0;
-        for slice in &step.slices {
+        for (i, slice) in step.slices.iter().enumerate() {
             let rows = scores.rows(row, 1 + slice.draft.len());
             row += 1 + slice.draft.len();
             let idx = self.running.iter().position(|r| r.id == slice.id);
-            let r = &mut self.running[idx.expect("a planned request is running")];
-            let n = slice.tokens;
-            let prompt_done = r.computed < r.prompt_len && r.computed + n >= r.prompt_len;
-            r.computed += n;
-            if r.pending() > 0 {
-                continue; // mid-prefill: no token yet
+            let r = match (idx, step.advanced) {
+                (Some(idx), _) => &mut self.running[idx],
+                (None, true) => continue,
+                (None, false) => panic!("a planned request is running"),
+            };
+            if step.advanced {
+                if r.unresolved != Some(i) {
+                    continue; // mid-prefill, or preempted since
+                }
+                r.unresolved = None;
+                r.tokens.pop();
+            } else {
+                r.computed += slice.tokens;
+                if r.pending() > 0 {
+                    continue; // mid-prefill: no token yet
+                }
             }
+            let prompt_done = slice.prompt_done;
             match r.last_token_at {
                 None => self.metrics.ttft.observe(now - r.arrived),
                 Some(t) => self.metrics.itl.observe(now - t),

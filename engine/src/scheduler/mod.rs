@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use complete::{Logprobs, Scores};
-use request::Request;
+use request::{Request, UNRESOLVED};
 pub use request::{
     Event, FinishReason, SamplingParams, Submission, TokenLogprobs, Usage, EVENT_BUFFER,
 };
@@ -65,6 +65,8 @@ pub struct Step {
     pub batch: Batch,
     slices: Vec<Slice>,
     pub copies: Vec<KvCopy>,
+    /// [`Scheduler::advance`] ran: its requests' KV counts and placeholders are in place.
+    advanced: bool,
 }
 
 impl Step {
@@ -72,6 +74,11 @@ impl Step {
     /// tokens.
     pub fn is_decode(&self) -> bool {
         self.slices.iter().all(|s| s.decode)
+    }
+
+    /// Whether [`Scheduler::advance`] booked it as run.
+    pub fn is_advanced(&self) -> bool {
+        self.advanced
     }
 
     /// A decode step's requests and the tokens it runs (theirs and their drafts), which
@@ -90,6 +97,8 @@ struct Slice {
     tokens: usize,
     /// It runs only its last, generated token (and the draft).
     decode: bool,
+    /// It runs the last of its prompt.
+    prompt_done: bool,
     /// Drafted tokens run after them, to verify (each gets a logits row, as does the last
     /// of the request's own, the tree's root).
     draft: Draft,
@@ -240,7 +249,8 @@ impl Scheduler {
             let mut i = 0;
             while i < self.running.len() && budget > 0 {
                 let pending = self.running[i].pending();
-                let paused = self.running[i].stalled_since.is_some();
+                let paused = self.running[i].stalled_since.is_some()
+                    || self.running[i].ends_when_resolved(self.cfg.context_len);
                 if plan[i] == 0 && !paused && self.running[i].decodes() == decode_pass {
                     let draft = match decode_pass {
                         true => self.draft(i, decoding, budget, limits[i]),
@@ -280,6 +290,8 @@ impl Scheduler {
         let mut sampling = Some(Vec::new());
         // The most alternatives a request's log-probabilities list, when one asks for them.
         let mut top = None;
+        // Tokens laid out so far, and the ones the previous step samples on the device.
+        let (mut laid_out, mut from_previous) = (0, Vec::new());
         for ((r, &n), draft) in self.running.iter().zip(&plan).zip(drafts) {
             if n == 0 {
                 continue;
@@ -295,7 +307,14 @@ impl Scheduler {
             let kv_len = r.computed + n;
             let own = n - draft.len();
             let mut tokens = r.tokens[r.computed..r.computed + own].to_vec();
+            if let Some(row) = r.unresolved {
+                // Only the last token is unresolved, and it is the one the slice runs.
+                debug_assert_eq!((own, r.pending()), (1, 1));
+                from_previous.push((laid_out, row));
+                tokens[0] = 0;
+            }
             tokens.extend(&draft.tokens);
+            laid_out += tokens.len();
             requests.push(RequestSlice {
                 tokens,
                 kv_len,
@@ -307,6 +326,7 @@ impl Scheduler {
                 id: r.id,
                 tokens: own,
                 decode: r.decodes() && own == r.pending(),
+                prompt_done: r.computed < r.prompt_len && r.computed + own >= r.prompt_len,
                 draft,
             });
         }
@@ -318,6 +338,7 @@ impl Scheduler {
         // a row, so no buffer is empty).
         batch.logprobs = top.filter(|_| sampling.is_some()).map(|t| t.max(1));
         batch.sampling = sampling;
+        batch.from_previous = from_previous;
         if slices.iter().any(|s| !s.draft.is_empty()) {
             batch.logits = LogitRows::Tails(slices.iter().map(|s| 1 + s.draft.len()).collect());
         }
@@ -332,7 +353,35 @@ impl Scheduler {
             batch,
             slices,
             copies,
+            advanced: false,
         })
+    }
+
+    /// Whether `step` may be [advanced](Self::advance) before its tokens are known: it
+    /// samples every row on the device and nothing about the step after it depends on
+    /// its tokens but their ids (no drafts to propose or verify, no hidden states).
+    pub fn can_overlap(&self, step: &Step) -> bool {
+        self.drafter.is_none() && step.batch.sampling.is_some() && step.batch.capture.is_empty()
+    }
+
+    /// Books `step` as run before its tokens are read, so the next step can be planned
+    /// while the device runs it: each request's KV count moves past the tokens it runs,
+    /// and a request whose sample this is gets a placeholder last token, which the next
+    /// step reads on the device ([`Batch::from_previous`]) and [`Self::complete`] fills
+    /// in. Requests that left since `step` was planned are skipped.
+    pub fn advance(&mut self, step: &mut Step) {
+        assert!(self.can_overlap(step) && !step.advanced);
+        step.advanced = true;
+        for (row, slice) in step.slices.iter().enumerate() {
+            let Some(r) = self.running.iter_mut().find(|r| r.id == slice.id) else {
+                continue;
+            };
+            r.computed += slice.tokens;
+            if r.pending() == 0 {
+                r.tokens.push(UNRESOLVED);
+                r.unresolved = Some(row);
+            }
+        }
     }
 
     /// Most tokens each running request drafts this step: none unless it decodes; else
@@ -461,6 +510,11 @@ impl Scheduler {
         tracing::debug!(id = r.id, computed = r.computed, "preempted");
         self.metrics.preemptions.add(1);
         cache_computed(&mut *self.cache, &mut self.pool, self.cfg.page_size, &mut r);
+        // A token still on the device is drawn again when it comes back (the same draw:
+        // sampling is keyed by seed and position); the step in flight's is ignored.
+        if r.unresolved.take().is_some() {
+            r.tokens.pop();
+        }
         self.pool.release(&r.pages);
         r.pages.clear();
         r.computed = 0;

@@ -156,7 +156,14 @@ pub(crate) struct Request {
     pub spec_accepted: usize,
     /// How its drafted tokens fared lately, by depth (the draft policy's input).
     pub acceptance: Acceptance,
+    /// `Some(row)`: its last token was sampled on the device at this row of the step in
+    /// flight and is not known here yet (`tokens` ends in [`UNRESOLVED`] in its place).
+    pub unresolved: Option<usize>,
 }
+
+/// The id a request's last token has in `tokens` until its step's tokens are read
+/// ([`Request::unresolved`]).
+pub(crate) const UNRESOLVED: u32 = u32::MAX;
 
 impl Request {
     pub fn new(s: Submission) -> Self {
@@ -179,13 +186,21 @@ impl Request {
             spec_verify_ct: 0,
             spec_accepted: 0,
             acceptance: Acceptance::default(),
+            unresolved: None,
         }
     }
 
     /// Whether the channel has room for a token and the end after it (the last slot is
-    /// kept for the end, so a paused request can always be told why it ended).
+    /// kept for the end, so a paused request can always be told why it ended), besides the
+    /// unresolved token's.
     pub fn can_send(&self) -> bool {
-        self.events.capacity() >= 2
+        self.events.capacity() >= 2 + usize::from(self.unresolved.is_some())
+    }
+
+    /// Whether its unresolved last token is its last: it can run no more.
+    pub fn ends_when_resolved(&self, context_len: usize) -> bool {
+        self.unresolved.is_some()
+            && (self.generated() >= self.params.max_tokens || self.tokens.len() >= context_len)
     }
 
     /// Sends `event`; the caller made sure there is room (a full channel drops it).

@@ -14,11 +14,13 @@
 //!
 //! Parameters outside their ranges (top_p <= 0, min_p > 1) cannot hang a cube: when no
 //! token is left above the bar, the last winner stands.
+mod feed;
 mod logprobs;
 
 use cubecl::prelude::*;
 use kiln_core::sampling::SAMPLING_WORDS;
 
+pub use feed::feed_tokens;
 pub use logprobs::{token_logprobs, MAX_TOP, NO_TOKEN};
 
 use crate::argmax::{check_rows, row_argmax, UNITS};

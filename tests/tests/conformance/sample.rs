@@ -4,7 +4,7 @@
 //! before each launch.
 use crate::cases::run_cases;
 use cubecl::prelude::*;
-use kiln_kernels::sample::{sample_rows, token_logprobs, MAX_TOP, NO_TOKEN};
+use kiln_kernels::sample::{feed_tokens, sample_rows, token_logprobs, MAX_TOP, NO_TOKEN};
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};
 use kiln_reference::sampling::{distribution, draw, kept, logprobs, SamplingRow};
@@ -345,7 +345,42 @@ fn logprobs_are_the_definitions<R: Runtime>(client: &ComputeClient<R>) {
     }
 }
 
+/// A step's input ids taken from the previous step's sampled tokens: each fed index gets
+/// its row's token, every other index keeps what the host uploaded; more pairs than a
+/// cube's units, rows read more than once, and out-of-range pairs refused.
+fn fed_tokens_are_the_sampled_rows<R: Runtime>(client: &ComputeClient<R>) {
+    run_cases(
+        24,
+        &(1usize..=600, 1usize..=300, any::<u64>()),
+        |(len, rows, seed)| {
+            let mut rng = Rng::new(seed);
+            let host: Vec<u32> = (0..len).map(|_| rng.below(1000) as u32).collect();
+            let sampled: Vec<u32> = (0..rows).map(|_| 1000 + rng.below(1000) as u32).collect();
+            let mut at: Vec<usize> = (0..len).filter(|_| rng.below(3) == 0).collect();
+            // Distinct indices in any order.
+            for i in (1..at.len()).rev() {
+                at.swap(i, rng.below(i + 1));
+            }
+            let feeds: Vec<(usize, usize)> = at.iter().map(|&a| (a, rng.below(rows))).collect();
+            let tokens = DeviceArray::upload(client, &host);
+            let dev_sampled = DeviceArray::upload(client, &sampled);
+            feed_tokens(client, &dev_sampled, &feeds, &tokens).unwrap();
+            let mut expected = host.clone();
+            for &(a, r) in &feeds {
+                expected[a] = sampled[r];
+            }
+            prop_assert_eq!(tokens.read(client), expected);
+            for bad in [(len, 0), (0, rows)] {
+                let refused = feed_tokens(client, &dev_sampled, &[bad], &tokens);
+                prop_assert!(matches!(refused, Err(KernelError::Range { .. })), "{bad:?}");
+            }
+            Ok(())
+        },
+    );
+}
+
 kiln_backends::backend_tests! {
+    fed_tokens_are_the_sampled_rows,
     logprobs_are_the_definitions,
     rows_draw_the_race_by_definition,
     draws_follow_the_distribution,

@@ -3,7 +3,8 @@
 use cubecl::prelude::*;
 use kiln_core::sampling::SamplingRow;
 use kiln_kernels::mla::{tree_mask_words, AttnMetadata, PagedKvCache, MAX_TREE_NODES};
-use kiln_kernels::DeviceArray;
+use cubecl::server::ServerError;
+use kiln_kernels::{DeviceArray, PendingRead};
 
 use super::ModelError;
 
@@ -65,6 +66,10 @@ pub struct Batch {
     /// With `sampling`, also each row's token's log-probability and this many most likely
     /// alternatives ([`StepOutput::logprobs`]), computed on the device.
     pub logprobs: Option<usize>,
+    /// `(token, row)`: the step's token `token` (counted over all requests' tokens in
+    /// order; the host's id there is ignored) is the one the previous step sampled at
+    /// `row`, read on the device ([`GpuModel::launch`](super::GpuModel::launch)).
+    pub from_previous: Vec<(usize, usize)>,
 }
 
 /// Log-probabilities of a step's rows (`kiln_kernels::sample::token_logprobs`).
@@ -98,6 +103,75 @@ pub struct StepOutput {
     pub issue_seconds: f64,
 }
 
+/// A step issued to the device ([`GpuModel::launch`](super::GpuModel::launch)) whose
+/// outputs are still to be read.
+pub struct Launched<'a> {
+    pub(super) reads: Reads<'a>,
+    pub(super) hidden: Vec<(usize, Vec<f32>)>,
+    pub(super) launches: usize,
+    pub(super) issue_seconds: f64,
+}
+
+/// The reads a launched step's outputs wait on.
+pub(super) enum Reads<'a> {
+    Logits(PendingRead<'a, f32>),
+    Tokens {
+        tokens: PendingRead<'a, u32>,
+        /// Each row's token's, `top`, the alternatives' ids and theirs.
+        logprobs: Option<LogprobReads<'a>>,
+        /// The tokens on the device.
+        sampled: DeviceArray<u32>,
+    },
+}
+
+pub(super) type LogprobReads<'a> = (
+    PendingRead<'a, f32>,
+    usize,
+    PendingRead<'a, u32>,
+    PendingRead<'a, f32>,
+);
+
+impl Launched<'_> {
+    /// The tokens this step samples on the device, if it does ([`Batch::sampling`]): what
+    /// the next step's [`Batch::from_previous`] reads.
+    pub fn sampled(&self) -> Option<&DeviceArray<u32>> {
+        match &self.reads {
+            Reads::Tokens { sampled, .. } => Some(sampled),
+            Reads::Logits(_) => None,
+        }
+    }
+
+    /// Waits for the step and returns its outputs.
+    pub fn wait(self) -> Result<StepOutput, ModelError> {
+        let device = |e: ServerError| ModelError::Device(e.to_string());
+        let (logits, tokens, logprobs) = match self.reads {
+            Reads::Logits(l) => (l.wait().map_err(device)?, Vec::new(), None),
+            Reads::Tokens {
+                tokens, logprobs, ..
+            } => {
+                let logprobs = match logprobs {
+                    Some((token, top, ids, values)) => Some(RowLogprobs {
+                        token: token.wait().map_err(device)?,
+                        top,
+                        ids: ids.wait().map_err(device)?,
+                        values: values.wait().map_err(device)?,
+                    }),
+                    None => None,
+                };
+                (Vec::new(), tokens.wait().map_err(device)?, logprobs)
+            }
+        };
+        Ok(StepOutput {
+            logits,
+            tokens,
+            logprobs,
+            hidden: self.hidden,
+            launches: self.launches,
+            issue_seconds: self.issue_seconds,
+        })
+    }
+}
+
 /// The layout of a batch, checked, uploaded once per step.
 pub(super) struct Plan {
     pub num_tokens: usize,
@@ -119,6 +193,7 @@ impl Batch {
             capture: Vec::new(),
             sampling: None,
             logprobs: None,
+            from_previous: Vec::new(),
         }
     }
 

@@ -10,15 +10,14 @@ use kiln_kernels::mla::{
 use kiln_kernels::moe::{combine, dispatch, gather_rows, route, Dispatch, Routing};
 use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm};
 use kiln_kernels::rope::Rotation;
-use kiln_kernels::sample::{sample_rows, token_logprobs};
+use kiln_kernels::sample::{feed_tokens, sample_rows, token_logprobs};
 use std::sync::atomic::Ordering;
 
 use kiln_kernels::{DeviceArray, KernelError};
 
 use super::batch::Plan;
-use super::{
-    Attention, Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, QProj, RowLogprobs, StepOutput,
-};
+use super::batch::{Launched, Reads};
+use super::{Attention, Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, QProj, StepOutput};
 
 impl<R: Runtime> GpuModel<R> {
     /// Runs one step: appends the batch's tokens to the pool and returns their logits,
@@ -29,6 +28,19 @@ impl<R: Runtime> GpuModel<R> {
 
     /// [`Self::forward`], also returning the hidden states of the layers in `batch.capture`.
     pub fn step(&self, batch: &Batch, pool: &KvPool) -> Result<StepOutput, ModelError> {
+        self.launch(batch, pool, None)?.wait()
+    }
+
+    /// Issues one step and returns without waiting for it: its outputs' reads are enqueued
+    /// behind its kernels, so the host can plan and issue the next step (which may take
+    /// input ids from this one's [`Launched::sampled`]) while the device runs this one.
+    /// `previous`: the sampled tokens [`Batch::from_previous`] reads.
+    pub fn launch(
+        &self,
+        batch: &Batch,
+        pool: &KvPool,
+        previous: Option<&DeviceArray<u32>>,
+    ) -> Result<Launched<'_>, ModelError> {
         let launches_before = self.launches.load(Ordering::Relaxed);
         let issue_start = std::time::Instant::now();
         if pool.caches.len() != self.layers.len() {
@@ -40,6 +52,12 @@ impl<R: Runtime> GpuModel<R> {
         }
         let plan = batch.plan(&self.client, self.config.vocab_size, pool)?;
         let (cl, c) = (&self.client, &self.config);
+        if !batch.from_previous.is_empty() {
+            let previous = previous.ok_or_else(|| {
+                ModelError::Batch("tokens fed from a previous step that sampled none".into())
+            })?;
+            self.launched(feed_tokens(cl, previous, &batch.from_previous, &plan.tokens))?;
+        }
         let t = plan.num_tokens;
         let eps = c.rms_norm_eps as f32;
         let residual = self.scratch(t * c.hidden_size);
@@ -151,26 +169,23 @@ impl<R: Runtime> GpuModel<R> {
                 Some((ids, logprobs))
             }
         };
-        let issue_seconds = issue_start.elapsed().as_secs_f64();
-        let (logits, tokens, logprobs) = match ids {
-            None => (logits.read(cl), Vec::new(), None),
-            Some((ids, logprobs)) => {
-                let logprobs = logprobs.map(|(token, top, ids, values)| RowLogprobs {
-                    token: token.read(cl),
-                    top,
-                    ids: ids.read(cl),
-                    values: values.read(cl),
-                });
-                (Vec::new(), ids.read(cl), logprobs)
-            }
+        // Enqueued now, behind the step's kernels: waiting for them later does not wait
+        // for work issued after.
+        let reads = match ids {
+            None => Reads::Logits(logits.read_later(cl)),
+            Some((ids, logprobs)) => Reads::Tokens {
+                tokens: ids.read_later(cl),
+                logprobs: logprobs.map(|(token, top, ids, values)| {
+                    (token.read_later(cl), top, ids.read_later(cl), values.read_later(cl))
+                }),
+                sampled: ids,
+            },
         };
-        Ok(StepOutput {
-            logits,
-            tokens,
-            logprobs,
+        Ok(Launched {
+            reads,
             hidden,
             launches: self.launches.load(Ordering::Relaxed) - launches_before,
-            issue_seconds,
+            issue_seconds: issue_start.elapsed().as_secs_f64(),
         })
     }
 

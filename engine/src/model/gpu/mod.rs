@@ -21,7 +21,7 @@ use kiln_kernels::moe::GateParams;
 use kiln_kernels::{DeviceArray, KernelError, Precision};
 
 use crate::model::tp::AllReduceStandIn;
-pub use batch::{Batch, KvPool, LogitRows, RequestSlice, RowLogprobs, StepOutput};
+pub use batch::{Batch, KvPool, Launched, LogitRows, RequestSlice, RowLogprobs, StepOutput};
 pub(crate) use forward::RankStep;
 pub use host_kv::{Copied, HostKv};
 pub use synthetic::SyntheticQuant;

@@ -159,6 +159,20 @@ struct Run {
     /// Steps that drew their tokens on the device, and steps that read logits back.
     device_steps: usize,
     logit_steps: usize,
+    /// Leave steps whose tokens are drawn on the device in flight while the next is
+    /// planned, as the engine does with overlap on; steps that read tokens of the step
+    /// before on the device.
+    overlap: bool,
+    in_flight: Option<(Step, Ran)>,
+    fed_steps: usize,
+}
+
+/// What a step computed: its rows of logits, the tokens drawn from them where the step
+/// samples on the device, and their log-probabilities where it asks.
+struct Ran {
+    logits: Vec<f32>,
+    ids: Vec<u32>,
+    logprobs: Option<(Vec<f32>, usize, Vec<u32>, Vec<f32>)>,
 }
 
 impl Run {
@@ -178,6 +192,9 @@ impl Run {
             cost: None,
             device_steps: 0,
             logit_steps: 0,
+            overlap: false,
+            in_flight: None,
+            fed_steps: 0,
         }
     }
 
@@ -219,17 +236,47 @@ impl Run {
         rx
     }
 
-    /// Runs one step; returns its batch's slice lengths.
+    /// Runs one step; returns its batch's slice lengths (none: a step in flight ended).
     fn step(&mut self) -> Option<Vec<usize>> {
         self.sched.abort_cancelled();
-        let step = self.sched.schedule()?;
+        let Some(mut step) = self.sched.schedule() else {
+            let (step, ran) = self.in_flight.take()?;
+            self.complete(step, ran);
+            return Some(Vec::new());
+        };
         self.sched.check_pages();
         let lens = step.batch.requests.iter().map(|r| r.tokens.len()).collect();
         self.kv.copy(&step.copies);
-        let logits = self.kv.step(&step.batch);
-        let shape = step.decode_shape();
+        let ran = self.run_batch(&step.batch);
+        if let Some((before, ran)) = self.in_flight.take() {
+            self.complete(before, ran);
+        }
+        if self.overlap && self.sched.can_overlap(&step) {
+            self.sched.advance(&mut step);
+            self.in_flight = Some((step, ran));
+        } else {
+            self.complete(step, ran);
+        }
+        self.sched.check_pages();
+        Some(lens)
+    }
+
+    /// The stand-in device running `batch`: its tokens fed from the step in flight's
+    /// where it says, then its rows, and the tokens and log-probabilities the oracle draws.
+    fn run_batch(&mut self, batch: &Batch) -> Ran {
+        let mut batch = batch.clone();
+        if !batch.from_previous.is_empty() {
+            self.fed_steps += 1;
+            let previous = &self.in_flight.as_ref().expect("a step in flight").1.ids;
+            let mut slots: Vec<&mut u32> =
+                batch.requests.iter_mut().flat_map(|r| &mut r.tokens).collect();
+            for &(at, row) in &batch.from_previous {
+                *slots[at] = previous[row];
+            }
+        }
+        let logits = self.kv.step(&batch);
         // A step that samples on the device gets each row's token as the oracle draws it.
-        let ids: Vec<u32> = match &step.batch.sampling {
+        let ids: Vec<u32> = match &batch.sampling {
             Some(rows) => logits
                 .chunks(VOCAB)
                 .zip(rows)
@@ -238,7 +285,7 @@ impl Run {
             None => Vec::new(),
         };
         // And their log-probabilities, as the oracle gives them, when the step asks.
-        let lp = step.batch.logprobs.map(|top| {
+        let logprobs = batch.logprobs.map(|top| {
             let rows: Vec<_> = (logits.chunks(VOCAB).zip(&ids))
                 .map(|(l, &t)| kiln_reference::sampling::logprobs(l, t, top))
                 .collect();
@@ -252,28 +299,36 @@ impl Run {
             let (ids, values): (Vec<u32>, Vec<f32>) = listed.into_iter().unzip();
             (token, top, ids, values)
         });
+        Ran {
+            logits,
+            ids,
+            logprobs,
+        }
+    }
+
+    /// Hands a step's outputs to the scheduler, as the engine does.
+    fn complete(&mut self, step: Step, ran: Ran) {
+        let shape = step.decode_shape();
         let scores = match step.batch.sampling {
             Some(_) => {
                 self.device_steps += 1;
-                let lp = lp.as_ref().map(|(token, top, ids, values)| Logprobs {
+                let lp = ran.logprobs.as_ref().map(|(token, top, ids, values)| Logprobs {
                     token,
                     top: *top,
                     ids,
                     values,
                 });
-                Scores::Tokens(&ids, lp)
+                Scores::Tokens(&ran.ids, lp)
             }
             None => {
                 self.logit_steps += 1;
-                Scores::Logits(&logits, VOCAB)
+                Scores::Logits(&ran.logits, VOCAB)
             }
         };
         self.sched.complete(step, scores);
         if let (Some(shape), Some(cost)) = (shape, self.cost) {
             self.sched.observe_step(shape, cost(shape));
         }
-        self.sched.check_pages();
-        Some(lens)
     }
 
     fn run_to_end(&mut self) {

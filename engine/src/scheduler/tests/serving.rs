@@ -138,9 +138,11 @@ proptest! {
         prompts in prop::collection::vec(
             (prop::collection::vec(1u32..4, 1..60), 1usize..20), 1..12),
         shared in prop::collection::vec(1u32..4, 0..40),
+        overlap in any::<bool>(),
     ) {
         // Every request must fit the pool alone; sharing a prefix makes cache hits likely.
         let mut run = Run::tiered(config(page_size, budget, 8), pages, host_slots);
+        run.overlap = overlap;
         let mut rxs = Vec::new();
         let mut wanted = Vec::new();
         for (i, (tail, max_tokens)) in prompts.iter().enumerate() {
@@ -164,23 +166,84 @@ proptest! {
 
 #[test]
 fn more_requests_than_the_pool_holds_all_finish_through_preemption() {
-    let mut run = Run::new(config(4, 64, 16), 40);
-    let prompts: Vec<Vec<u32>> = (0..16).map(|i| vec![1 + (i % 3) as u32; 30 + i]).collect();
-    let mut rxs: Vec<_> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| run.submit(i as u64, p.clone(), 40))
-        .collect();
-    run.run_to_end();
-    assert!(
-        run.metrics.preemptions.get() > 0,
-        "the pool of 160 tokens is oversubscribed"
-    );
     let mut seen = HashMap::new();
-    for (rx, p) in rxs.iter_mut().zip(&prompts) {
-        let got = outcome(rx).0;
-        assert_eq!(&got, seen.entry(p.clone()).or_insert_with(|| alone(p, 40)));
+    // Overlapped, a preempted request may have a token still on the device.
+    for overlap in [false, true] {
+        let mut run = Run::new(config(4, 64, 16), 40);
+        run.overlap = overlap;
+        let prompts: Vec<Vec<u32>> = (0..16).map(|i| vec![1 + (i % 3) as u32; 30 + i]).collect();
+        let mut rxs: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| run.submit(i as u64, p.clone(), 40))
+            .collect();
+        run.run_to_end();
+        assert!(
+            run.metrics.preemptions.get() > 0,
+            "the pool of 160 tokens is oversubscribed"
+        );
+        for (rx, p) in rxs.iter_mut().zip(&prompts) {
+            let got = outcome(rx).0;
+            assert_eq!(&got, seen.entry(p.clone()).or_insert_with(|| alone(p, 40)));
+        }
     }
+}
+
+/// With overlap, steps that sample on the device stay in flight while the next is planned
+/// and issued: the next reads their tokens on the device, and the outputs (tokens, their
+/// log-probabilities, finish reasons, usage) are those of running each step to its end
+/// first, through end-of-sequence tokens, `max_tokens`, sampled and greedy requests, a
+/// client that leaves mid-run and prompts arriving while others decode.
+#[test]
+fn overlapped_steps_feed_on_the_device_and_change_no_output() {
+    let run_with = |overlap: bool| {
+        let mut run = Run::new(config(4, 48, 6), 256);
+        run.kv.model = soft;
+        run.overlap = overlap;
+        let params = |i: u64| SamplingParams {
+            max_tokens: 5 + 7 * (i as usize % 4),
+            temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
+            seed: i,
+            logprobs: (i % 3 == 0).then_some(2),
+            // Some end on a token they meet on the way (the periodic prompts' 4).
+            stop_token_ids: if i % 5 == 2 { vec![4] } else { Vec::new() },
+            ..SamplingParams::default()
+        };
+        let mut rxs = Vec::new();
+        for i in 0..10u64 {
+            rxs.push(run.submit_params(i, periodic_prompt(i as u32), params(i), ROOM));
+            run.step();
+            if i == 6 {
+                rxs[4].close(); // its client leaves while it decodes
+            }
+        }
+        run.run_to_end();
+        let events: Vec<Vec<Event>> = rxs
+            .iter_mut()
+            .map(|rx| std::iter::from_fn(|| rx.try_recv().ok()).collect())
+            .collect();
+        assert_eq!(run.metrics.kv_usage.get(), 0.0);
+        (events, run.fed_steps, run.logit_steps)
+    };
+    let (mut sync, fed, _) = run_with(false);
+    assert_eq!(fed, 0);
+    let (mut overlapped, fed, logit_steps) = run_with(true);
+    assert!(fed > 20, "{fed} steps fed on the device");
+    assert_eq!(logit_steps, 0);
+    // The one that left got what was read by then (a step later with overlap), no end.
+    let (left, left_sync) = (overlapped.remove(4), sync.remove(4));
+    for events in [&left, &left_sync] {
+        assert!(!events.iter().any(|e| matches!(e, Event::Finished { .. })));
+    }
+    let n = left.len().min(left_sync.len());
+    assert_eq!(left[..n], left_sync[..n]);
+    assert_eq!(overlapped, sync);
+    let finished = |e: &[Event]| matches!(e.last(), Some(Event::Finished { .. }));
+    assert!(sync.iter().all(|e| finished(e)));
+    let stopped = sync.iter().filter(|e| {
+        matches!(e.last(), Some(Event::Finished { reason: FinishReason::Stop, .. }))
+    });
+    assert!(stopped.count() > 0, "some request ends on its end-of-sequence token");
 }
 
 /// Agent sessions whose histories outgrow the device pool: each turn re-sends its session's
