@@ -46,10 +46,10 @@ fn cached_sessions() -> (RadixCache, PagePool, Vec<Vec<u32>>) {
     (cache, pool, sessions)
 }
 
-/// One request as the scheduler runs it against the cache: lookup, new pages for the rest,
-/// insert, release.
+/// One request as the scheduler runs it against the cache (which has no host tier here):
+/// lookup, new pages for the rest, insert, release.
 fn serve(cache: &mut RadixCache, pool: &mut PagePool, request: &[u32]) -> usize {
-    let hit = cache.lookup(request);
+    let hit = cache.lookup(request).device;
     pool.retain(&hit);
     let full = request.len() / PAGE;
     let new = pool

@@ -3,8 +3,8 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
 
-use cubecl::prelude::*;
 use cubecl::bytes::Bytes;
+use cubecl::prelude::*;
 use cubecl::server::{Handle, ServerError};
 
 /// `len` elements of `T` in device memory.

@@ -3,8 +3,8 @@
 //! the kept tokens' keys. The oracle of the device sampler (`kiln_kernels::sample`), which
 //! finds the same winner without sorting.
 use crate::argmax::argmax_rows;
-pub use kiln_core::sampling::SamplingRow;
 use kiln_core::sampling::{exponential, sampling_words};
+pub use kiln_core::sampling::{masked, SamplingRow};
 
 /// The row's logits as the sampler reads them: clamped to +-f32::MAX, NaN as `None`.
 fn clamped(logits: &[f32]) -> Vec<Option<f64>> {

@@ -555,12 +555,21 @@ async fn speculative_decoding_over_http_gives_the_same_greedy_tokens() {
 /// to preempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_overlapped_schedule_gives_the_same_tokens_as_waiting_for_each_step() {
-    let small_pool = ["--page-size", "16", "--kv-pages", "12", "--host-kv-gib", "0"];
+    let small_pool = [
+        "--page-size",
+        "16",
+        "--kv-pages",
+        "12",
+        "--host-kv-gib",
+        "0",
+    ];
     let overlapped = Server::start(&small_pool);
     let waiting = Server::start(&[&small_pool[..], &["--disable-overlap-schedule"]].concat());
     let bodies: Vec<Value> = (0..12u32)
         .map(|i| {
-            let prompt: Vec<u32> = (0..20 + 3 * i).map(|t| 5 + (t * 31 + i * 7) % 400).collect();
+            let prompt: Vec<u32> = (0..20 + 3 * i)
+                .map(|t| 5 + (t * 31 + i * 7) % 400)
+                .collect();
             let mut params = json!({"max_new_tokens": 8 + 5 * (i % 5), "ignore_eos": true,
                                     "temperature": if i % 2 == 0 { 0.0 } else { 0.9 },
                                     "seed": i});
@@ -590,7 +599,10 @@ async fn the_overlapped_schedule_gives_the_same_tokens_as_waiting_for_each_step(
     }
     assert!(overlapped.metric("kiln_overlapped_steps_total") > 0.0);
     assert_eq!(waiting.metric("kiln_overlapped_steps_total"), 0.0);
-    assert!(overlapped.metric("kiln_preemptions_total") + waiting.metric("kiln_preemptions_total") > 0.0);
+    assert!(
+        overlapped.metric("kiln_preemptions_total") + waiting.metric("kiln_preemptions_total")
+            > 0.0
+    );
 }
 
 /// Agent sessions whose histories outgrow the device pool (12 pages of 16 tokens for six

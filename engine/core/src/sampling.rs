@@ -96,6 +96,22 @@ pub fn exponential(bits: u32) -> f32 {
     }
 }
 
+/// `logits` with the tokens `allowed` does not allow at minus infinity: bit `t % 32` of
+/// word `t / 32` allows token `t`; tokens past the words are not allowed. What a grammar's
+/// mask does to a row (`kiln_kernels::sample::mask_logits` on the device).
+pub fn masked(logits: &[f32], allowed: &[u32]) -> Vec<f32> {
+    (logits.iter().enumerate())
+        .map(|(t, &l)| {
+            let bit = allowed.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1);
+            if bit {
+                l
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,6 +7,7 @@ use kiln_core::sampling::SamplingRow;
 
 use kiln_kernels::sample::NO_TOKEN;
 
+use super::constraint::Allowed;
 use super::*;
 use crate::sampling::{logprobs, sample, verify};
 
@@ -110,22 +111,33 @@ fn is_stop(r: &Request, eos: &[u32], token: u32) -> bool {
     (!r.params.ignore_eos && eos.contains(&token)) || r.params.stop_token_ids.contains(&token)
 }
 
-/// Request `r`'s row of logits with the tokens its constraint forbids next at minus
-/// infinity (`None` without a constraint). A constraint that fails is logged and dropped:
-/// the output goes on unconstrained.
-fn constrained(r: &mut Request, row: Scores, eos: &[u32]) -> Option<Vec<f32>> {
-    let allowed = r.constraint.as_mut()?.allowed();
-    let Scores::Logits(logits, _) = row else {
-        panic!("a constrained request's row without its logits")
-    };
-    match allowed {
-        Ok(allowed) => Some(allowed.mask(logits, |t| is_stop(r, eos, t))),
+/// The tokens that end request `r`'s output.
+pub(super) fn stops(r: &Request, eos: &[u32]) -> Vec<u32> {
+    let eos = eos.iter().filter(|_| !r.params.ignore_eos);
+    eos.chain(&r.params.stop_token_ids).copied().collect()
+}
+
+/// What request `r`'s constraint allows next (`None` without one). A constraint that
+/// fails is logged and dropped: the output goes on unconstrained.
+pub(super) fn allowed(r: &mut Request) -> Option<Allowed> {
+    match r.constraint.as_mut()?.allowed() {
+        Ok(allowed) => Some(allowed),
         Err(e) => {
             tracing::warn!(id = r.id, error = %e, "the output's constraint failed: dropped");
             r.constraint = None;
             None
         }
     }
+}
+
+/// Request `r`'s row of logits with the tokens its constraint forbids next at minus
+/// infinity (`None` without a constraint, or for a row drawn on the device, which the
+/// device masked: [`Batch::masks`]).
+fn constrained(r: &mut Request, row: Scores, eos: &[u32]) -> Option<Vec<f32>> {
+    let Scores::Logits(logits, _) = row else {
+        return None;
+    };
+    allowed(r).map(|a| a.mask(logits, &stops(r, eos)))
 }
 
 /// Moves request `r`'s constraint past `token` (not past a token that ends the output);

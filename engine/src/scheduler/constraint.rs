@@ -1,9 +1,11 @@
 //! Constrained decoding as the scheduler sees it: a request may carry a [`Constraint`]
 //! (a grammar's matcher, [`crate::server`] builds them from JSON schemas) that says which
-//! tokens may come next. Such a request's rows come back as logits, the forbidden tokens
-//! are masked out and the row is sampled on the host as usual; its drafts are verified
-//! node by node against the masked rows along the accepted path (the matcher moves past
-//! each accepted token), so speculation keeps the constrained distribution.
+//! tokens may come next. A step that samples such a request's next token sends the allowed
+//! set as a bitset with its row ([`Batch::masks`](crate::model::gpu::Batch::masks)): the
+//! device draws from the row with the forbidden tokens at minus infinity. A request that
+//! drafts has its rows come back as logits instead: its drafts are verified node by node
+//! against the masked rows along the accepted path (the matcher moves past each accepted
+//! token), so speculation keeps the constrained distribution.
 use std::fmt::Debug;
 
 /// The tokens that may come next.
@@ -23,24 +25,24 @@ impl Allowed {
         self.words.get(w).is_some_and(|&word| word >> b & 1 == 1)
     }
 
-    /// `logits` with every forbidden token at minus infinity; `is_stop` names the tokens
-    /// that end the output.
-    pub fn mask(&self, logits: &[f32], is_stop: impl Fn(u32) -> bool) -> Vec<f32> {
-        (logits.iter().enumerate())
-            .map(|(t, &l)| {
-                let t = t as u32;
-                let ok = if is_stop(t) {
-                    self.may_end
-                } else {
-                    self.allows(t)
-                };
-                if ok {
-                    l
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-            .collect()
+    /// The allowed tokens as a bitset (bit `t % 32` of word `t / 32`; tokens past the
+    /// words are not allowed): the tokens [`Self::allows`], except that `stops` (the
+    /// tokens that end the output) are allowed exactly when the output may end.
+    pub fn bits(&self, stops: &[u32]) -> Vec<u32> {
+        let mut words = self.words.clone();
+        for &t in stops {
+            let (w, b) = (t as usize / 32, t % 32);
+            if w >= words.len() {
+                words.resize(w + 1, 0);
+            }
+            words[w] = (words[w] & !(1 << b)) | (u32::from(self.may_end) << b);
+        }
+        words
+    }
+
+    /// `logits` with every forbidden token ([`Self::bits`]) at minus infinity.
+    pub fn mask(&self, logits: &[f32], stops: &[u32]) -> Vec<f32> {
+        kiln_core::sampling::masked(logits, &self.bits(stops))
     }
 }
 
@@ -65,8 +67,8 @@ mod tests {
             may_end: false,
         };
         let logits: Vec<f32> = (0..40).map(|t| t as f32).collect();
-        let stop = |t: u32| t == 39;
-        let kept: Vec<usize> = (allowed.mask(&logits, stop).iter().enumerate())
+        let stop = [39];
+        let kept: Vec<usize> = (allowed.mask(&logits, &stop).iter().enumerate())
             .filter(|(_, l)| l.is_finite())
             .map(|(t, _)| t)
             .collect();
@@ -75,6 +77,12 @@ mod tests {
             may_end: true,
             ..allowed
         };
-        assert!(ending.mask(&logits, stop)[39].is_finite());
+        assert!(ending.mask(&logits, &stop)[39].is_finite());
+        // As a bitset: the stop token's bit set where the output may end, clear elsewhere.
+        assert_eq!(ending.bits(&stop), vec![0b1010, 1 << 1 | 1 << 7]);
+        let mut stop_allowed = ending.clone();
+        stop_allowed.may_end = false;
+        stop_allowed.words = vec![0, u32::MAX];
+        assert_eq!(stop_allowed.bits(&[39, 70]), vec![0, !(1 << 7), 0]);
     }
 }

@@ -10,7 +10,8 @@
 //!
 //! Host-side only: [`Scheduler::schedule`] returns a [`Step`] (a model [`Batch`], whose
 //! rows carry how each is sampled on the device), [`Scheduler::complete`] takes its tokens,
-//! or its rows of logits where a sampled draft or log-probabilities need them. Speculative decoding: a decoding request's
+//! or its rows of logits where a sampled or constrained request's draft needs them
+//! (verification weighs the whole distribution). Speculative decoding: a decoding request's
 //! slice may end in a draft tree ([`Draft`]); `computed` then advances only by the accepted
 //! tokens whose cache rows are in place (the path `0, 1, 2, ..` of the tree) and the rest,
 //! accepted or not, are rewritten by the next step.
@@ -24,10 +25,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use complete::{Logprobs, Scores};
-use request::{Request, UNRESOLVED};
 pub use request::{
     Event, FinishReason, SamplingParams, Submission, TokenLogprobs, Usage, EVENT_BUFFER,
 };
+use request::{Request, UNRESOLVED};
 
 use crate::cache::{KvCopy, PagePool, PrefixCache};
 use crate::metrics::{Metrics, PolicyDecision};
@@ -292,20 +293,36 @@ impl Scheduler {
         let mut top = None;
         // Tokens laid out so far, and the ones the previous step samples on the device.
         let (mut laid_out, mut from_previous) = (0, Vec::new());
-        for ((r, &n), draft) in self.running.iter().zip(&plan).zip(drafts) {
+        // Rows of logits so far, and the masks of constrained rows drawn on the device.
+        let (mut rows, mut masks) = (0, Vec::new());
+        let eos = &self.cfg.eos_token_ids;
+        for ((r, &n), draft) in self.running.iter_mut().zip(&plan).zip(drafts) {
             if n == 0 {
                 continue;
             }
             let row = r.sampling_row(r.tokens.len());
             top = top.max(r.params.logprobs);
-            if (row.is_sampled() && !draft.is_empty()) || r.constraint.is_some() {
+            let own = n - draft.len();
+            if r.constraint.is_some() && own == r.pending() {
+                // It samples this step: on the device under its mask, unless it drafted
+                // (its draft is verified against masked rows on the host).
+                match draft.is_empty() {
+                    true => {
+                        if let Some(a) = complete::allowed(r) {
+                            masks.push((rows, a.bits(&complete::stops(r, eos))));
+                        }
+                    }
+                    false => sampling = None,
+                }
+            }
+            if row.is_sampled() && !draft.is_empty() {
                 sampling = None;
             }
+            rows += 1 + draft.len();
             if let Some(rows) = sampling.as_mut() {
                 rows.extend(std::iter::repeat_n(row, 1 + draft.len()));
             }
             let kv_len = r.computed + n;
-            let own = n - draft.len();
             let mut tokens = r.tokens[r.computed..r.computed + own].to_vec();
             if let Some(row) = r.unresolved {
                 // Only the last token is unresolved, and it is the one the slice runs.
@@ -337,6 +354,9 @@ impl Scheduler {
         // Log-probabilities come from the device with the tokens (at least one alternative
         // a row, so no buffer is empty).
         batch.logprobs = top.filter(|_| sampling.is_some()).map(|t| t.max(1));
+        if sampling.is_some() {
+            batch.masks = masks;
+        }
         batch.sampling = sampling;
         batch.from_previous = from_previous;
         if slices.iter().any(|s| !s.draft.is_empty()) {
@@ -359,9 +379,11 @@ impl Scheduler {
 
     /// Whether `step` may be [advanced](Self::advance) before its tokens are known: it
     /// samples every row on the device and nothing about the step after it depends on
-    /// its tokens but their ids (no drafts to propose or verify, no hidden states).
+    /// its tokens but their ids (no drafts to propose or verify, no hidden states, no
+    /// grammar whose next mask follows the token).
     pub fn can_overlap(&self, step: &Step) -> bool {
-        self.drafter.is_none() && step.batch.sampling.is_some() && step.batch.capture.is_empty()
+        let b = &step.batch;
+        self.drafter.is_none() && b.sampling.is_some() && b.capture.is_empty() && b.masks.is_empty()
     }
 
     /// Books `step` as run before its tokens are read, so the next step can be planned

@@ -16,12 +16,14 @@
 //! token is left above the bar, the last winner stands.
 mod feed;
 mod logprobs;
+mod mask;
 
 use cubecl::prelude::*;
 use kiln_core::sampling::SAMPLING_WORDS;
 
 pub use feed::feed_tokens;
 pub use logprobs::{token_logprobs, MAX_TOP, NO_TOKEN};
+pub use mask::{mask_logits, NO_MASK};
 
 use crate::argmax::{check_rows, row_argmax, UNITS};
 use crate::buffer::{check_index_space, check_len};

@@ -4,10 +4,12 @@
 //! before each launch.
 use crate::cases::run_cases;
 use cubecl::prelude::*;
-use kiln_kernels::sample::{feed_tokens, sample_rows, token_logprobs, MAX_TOP, NO_TOKEN};
+use kiln_kernels::sample::{
+    feed_tokens, mask_logits, sample_rows, token_logprobs, MAX_TOP, NO_MASK, NO_TOKEN,
+};
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};
-use kiln_reference::sampling::{distribution, draw, kept, logprobs, SamplingRow};
+use kiln_reference::sampling::{distribution, draw, kept, logprobs, masked, SamplingRow};
 use kiln_reference::stats::{chi_square, critical_value_p001};
 use kiln_reference::tolerance::{gamma, DType};
 use proptest::prelude::*;
@@ -379,7 +381,72 @@ fn fed_tokens_are_the_sampled_rows<R: Runtime>(client: &ComputeClient<R>) {
     );
 }
 
+/// A grammar's masks on rows of logits: masked rows equal the oracle's (forbidden tokens at
+/// minus infinity, the rest bit for bit, NaN and infinities kept), unmasked rows are copied,
+/// two rows may share a mask, vocabularies that end mid-word; outputs poisoned first.
+fn masked_rows_are_the_definition<R: Runtime>(client: &ComputeClient<R>) {
+    run_cases(
+        24,
+        &(1usize..=6, 1usize..=300, 0usize..=3, any::<u64>()),
+        |(rows, vocab, count, seed)| {
+            let mut rng = Rng::new(seed);
+            let logits = logit_rows(&mut rng, rows, vocab);
+            let words = vocab.div_ceil(32);
+            let masks: Vec<u32> = (0..count * words)
+                .map(|_| match rng.below(4) {
+                    0 => 0,
+                    1 => u32::MAX,
+                    _ => rng.next_u64() as u32,
+                })
+                .collect();
+            let mask_of_row: Vec<u32> = (0..rows)
+                .map(|_| match count {
+                    0 => NO_MASK,
+                    _ if rng.below(3) == 0 => NO_MASK,
+                    _ => rng.below(count) as u32,
+                })
+                .collect();
+            let out = DeviceArray::filled(client, rows * vocab, f32::NAN);
+            let masks_dev = DeviceArray::upload(client, &masks);
+            let logits_dev = DeviceArray::upload(client, &logits);
+            mask_logits(
+                client,
+                &logits_dev,
+                rows,
+                vocab,
+                &masks_dev,
+                &mask_of_row,
+                &out,
+            )
+            .unwrap();
+            let got = out.read(client);
+            for (r, &m) in mask_of_row.iter().enumerate() {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                let want = match m {
+                    NO_MASK => row.to_vec(),
+                    m => masked(row, &masks[m as usize * words..(m as usize + 1) * words]),
+                };
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                prop_assert_eq!(
+                    bits(&got[r * vocab..(r + 1) * vocab]),
+                    bits(&want),
+                    "row {}",
+                    r
+                );
+            }
+            let past = vec![count as u32; rows];
+            let refused = mask_logits(client, &logits_dev, rows, vocab, &masks_dev, &past, &out);
+            prop_assert!(
+                matches!(refused, Err(KernelError::Range { .. })),
+                "{refused:?}"
+            );
+            Ok(())
+        },
+    );
+}
+
 kiln_backends::backend_tests! {
+    masked_rows_are_the_definition,
     fed_tokens_are_the_sampled_rows,
     logprobs_are_the_definitions,
     rows_draw_the_race_by_definition,

@@ -1,9 +1,9 @@
 //! What one forward step computes: for each request, its new tokens at the end of its
 //! context, and where that context lives in the paged KV pool.
 use cubecl::prelude::*;
+use cubecl::server::ServerError;
 use kiln_core::sampling::SamplingRow;
 use kiln_kernels::mla::{tree_mask_words, AttnMetadata, PagedKvCache, MAX_TREE_NODES};
-use cubecl::server::ServerError;
 use kiln_kernels::{DeviceArray, PendingRead};
 
 use super::ModelError;
@@ -70,6 +70,10 @@ pub struct Batch {
     /// order; the host's id there is ignored) is the one the previous step sampled at
     /// `row`, read on the device ([`GpuModel::launch`](super::GpuModel::launch)).
     pub from_previous: Vec<(usize, usize)>,
+    /// With `sampling`, `(row, allowed)`: the row's token is drawn with the tokens whose
+    /// bit is clear in `allowed` (bit `t % 32` of word `t / 32`; words past the end allow
+    /// nothing) at minus infinity, a grammar's mask; log-probabilities stay the raw row's.
+    pub masks: Vec<(usize, Vec<u32>)>,
 }
 
 /// Log-probabilities of a step's rows (`kiln_kernels::sample::token_logprobs`).
@@ -194,6 +198,7 @@ impl Batch {
             sampling: None,
             logprobs: None,
             from_previous: Vec::new(),
+            masks: Vec::new(),
         }
     }
 

@@ -10,7 +10,7 @@ use kiln_kernels::mla::{
 use kiln_kernels::moe::{combine, dispatch, gather_rows, route, Dispatch, Routing};
 use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm};
 use kiln_kernels::rope::Rotation;
-use kiln_kernels::sample::{feed_tokens, sample_rows, token_logprobs};
+use kiln_kernels::sample::{feed_tokens, mask_logits, sample_rows, token_logprobs, NO_MASK};
 use std::sync::atomic::Ordering;
 
 use kiln_kernels::{DeviceArray, KernelError};
@@ -56,7 +56,12 @@ impl<R: Runtime> GpuModel<R> {
             let previous = previous.ok_or_else(|| {
                 ModelError::Batch("tokens fed from a previous step that sampled none".into())
             })?;
-            self.launched(feed_tokens(cl, previous, &batch.from_previous, &plan.tokens))?;
+            self.launched(feed_tokens(
+                cl,
+                previous,
+                &batch.from_previous,
+                &plan.tokens,
+            ))?;
         }
         let t = plan.num_tokens;
         let eps = c.rms_norm_eps as f32;
@@ -145,7 +150,16 @@ impl<R: Runtime> GpuModel<R> {
                 let words: Vec<u32> = sampling.iter().flat_map(|r| r.words()).collect();
                 let params = DeviceArray::upload(cl, &words);
                 let ids = DeviceArray::<u32>::uninit(cl, rows);
-                self.launched(sample_rows(cl, &logits, rows, c.vocab_size, &params, &ids))?;
+                let drawn_from = self.masked(&logits, rows, &batch.masks)?;
+                let drawn_from = drawn_from.as_ref().unwrap_or(&logits);
+                self.launched(sample_rows(
+                    cl,
+                    drawn_from,
+                    rows,
+                    c.vocab_size,
+                    &params,
+                    &ids,
+                ))?;
                 let logprobs = match batch.logprobs {
                     Some(top) => {
                         let lp = [rows, rows * top, rows * top];
@@ -176,7 +190,12 @@ impl<R: Runtime> GpuModel<R> {
             Some((ids, logprobs)) => Reads::Tokens {
                 tokens: ids.read_later(cl),
                 logprobs: logprobs.map(|(token, top, ids, values)| {
-                    (token.read_later(cl), top, ids.read_later(cl), values.read_later(cl))
+                    (
+                        token.read_later(cl),
+                        top,
+                        ids.read_later(cl),
+                        values.read_later(cl),
+                    )
                 }),
                 sampled: ids,
             },
@@ -187,6 +206,46 @@ impl<R: Runtime> GpuModel<R> {
             launches: self.launches.load(Ordering::Relaxed) - launches_before,
             issue_seconds: issue_start.elapsed().as_secs_f64(),
         })
+    }
+
+    /// `logits` (`rows` rows) with `masks` applied ([`Batch::masks`]), or `None` without
+    /// masks.
+    fn masked(
+        &self,
+        logits: &DeviceArray<f32>,
+        rows: usize,
+        masks: &[(usize, Vec<u32>)],
+    ) -> Result<Option<DeviceArray<f32>>, ModelError> {
+        if masks.is_empty() {
+            return Ok(None);
+        }
+        let (cl, vocab) = (&self.client, self.config.vocab_size);
+        let words = vocab.div_ceil(32);
+        let mut mask_of_row = vec![NO_MASK; rows];
+        let mut bits = Vec::with_capacity(masks.len() * words);
+        for (i, (row, allowed)) in masks.iter().enumerate() {
+            match mask_of_row.get_mut(*row) {
+                Some(m) if *m == NO_MASK => *m = i as u32,
+                _ => {
+                    return Err(ModelError::Batch(format!(
+                        "a mask for row {row} of {rows}, or a second one"
+                    )))
+                }
+            }
+            bits.extend((0..words).map(|w| allowed.get(w).copied().unwrap_or(0)));
+        }
+        let out = self.scratch(rows * vocab);
+        let bits = DeviceArray::upload(cl, &bits);
+        self.launched(mask_logits(
+            cl,
+            logits,
+            rows,
+            vocab,
+            &bits,
+            &mask_of_row,
+            &out,
+        ))?;
+        Ok(Some(out))
     }
 
     /// Counts one kernel call: one launch, except split-K GEMMs and the prefill-sized MoE

@@ -10,6 +10,7 @@ use tokio::sync::mpsc::{channel, Receiver};
 
 use super::*;
 use crate::cache::CacheKind;
+use crate::model::gpu::RowLogprobs;
 use crate::speculative::DrafterKind;
 use kiln_kernels::sample::NO_TOKEN;
 
@@ -172,7 +173,7 @@ struct Run {
 struct Ran {
     logits: Vec<f32>,
     ids: Vec<u32>,
-    logprobs: Option<(Vec<f32>, usize, Vec<u32>, Vec<f32>)>,
+    logprobs: Option<RowLogprobs>,
 }
 
 impl Run {
@@ -268,19 +269,27 @@ impl Run {
         if !batch.from_previous.is_empty() {
             self.fed_steps += 1;
             let previous = &self.in_flight.as_ref().expect("a step in flight").1.ids;
-            let mut slots: Vec<&mut u32> =
-                batch.requests.iter_mut().flat_map(|r| &mut r.tokens).collect();
+            let mut slots: Vec<&mut u32> = batch
+                .requests
+                .iter_mut()
+                .flat_map(|r| &mut r.tokens)
+                .collect();
             for &(at, row) in &batch.from_previous {
                 *slots[at] = previous[row];
             }
         }
         let logits = self.kv.step(&batch);
-        // A step that samples on the device gets each row's token as the oracle draws it.
+        // A step that samples on the device gets each row's token as the oracle draws it,
+        // from the row under its mask where it has one.
         let ids: Vec<u32> = match &batch.sampling {
-            Some(rows) => logits
-                .chunks(VOCAB)
-                .zip(rows)
-                .map(|(l, r)| kiln_reference::sampling::draw(l, r).token)
+            Some(rows) => (logits.chunks(VOCAB).zip(rows).enumerate())
+                .map(|(i, (l, r))| {
+                    let mask = batch.masks.iter().find(|(row, _)| *row == i);
+                    let l = mask.map_or(l.to_vec(), |(_, bits)| {
+                        kiln_reference::sampling::masked(l, bits)
+                    });
+                    kiln_reference::sampling::draw(&l, r).token
+                })
                 .collect(),
             None => Vec::new(),
         };
@@ -297,7 +306,12 @@ impl Run {
             let listed: Vec<(u32, f32)> = rows.iter().flat_map(|(_, b)| pad(b)).collect();
             let token: Vec<f32> = rows.iter().map(|(t, _)| *t as f32).collect();
             let (ids, values): (Vec<u32>, Vec<f32>) = listed.into_iter().unzip();
-            (token, top, ids, values)
+            RowLogprobs {
+                token,
+                top,
+                ids,
+                values,
+            }
         });
         Ran {
             logits,
@@ -312,11 +326,11 @@ impl Run {
         let scores = match step.batch.sampling {
             Some(_) => {
                 self.device_steps += 1;
-                let lp = ran.logprobs.as_ref().map(|(token, top, ids, values)| Logprobs {
-                    token,
-                    top: *top,
-                    ids,
-                    values,
+                let lp = ran.logprobs.as_ref().map(|l| Logprobs {
+                    token: &l.token,
+                    top: l.top,
+                    ids: &l.ids,
+                    values: &l.values,
                 });
                 Scores::Tokens(&ran.ids, lp)
             }

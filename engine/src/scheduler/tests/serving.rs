@@ -202,9 +202,9 @@ fn overlapped_steps_feed_on_the_device_and_change_no_output() {
         run.overlap = overlap;
         let params = |i: u64| SamplingParams {
             max_tokens: 5 + 7 * (i as usize % 4),
-            temperature: if i % 2 == 0 { 0.0 } else { 0.8 },
+            temperature: if i.is_multiple_of(2) { 0.0 } else { 0.8 },
             seed: i,
-            logprobs: (i % 3 == 0).then_some(2),
+            logprobs: i.is_multiple_of(3).then_some(2),
             // Some end on a token they meet on the way (the periodic prompts' 4).
             stop_token_ids: if i % 5 == 2 { vec![4] } else { Vec::new() },
             ..SamplingParams::default()
@@ -241,9 +241,18 @@ fn overlapped_steps_feed_on_the_device_and_change_no_output() {
     let finished = |e: &[Event]| matches!(e.last(), Some(Event::Finished { .. }));
     assert!(sync.iter().all(|e| finished(e)));
     let stopped = sync.iter().filter(|e| {
-        matches!(e.last(), Some(Event::Finished { reason: FinishReason::Stop, .. }))
+        matches!(
+            e.last(),
+            Some(Event::Finished {
+                reason: FinishReason::Stop,
+                ..
+            })
+        )
     });
-    assert!(stopped.count() > 0, "some request ends on its end-of-sequence token");
+    assert!(
+        stopped.count() > 0,
+        "some request ends on its end-of-sequence token"
+    );
 }
 
 /// Agent sessions whose histories outgrow the device pool: each turn re-sends its session's
@@ -377,5 +386,102 @@ fn logprobs_come_with_each_token_from_its_row() {
         let l = l.as_ref().expect("asked for");
         assert_eq!(**l, crate::sampling::logprobs(&soft(&ctx), *t, 2));
         ctx.push(*t);
+    }
+}
+
+/// A grammar for the tests: tokens alternate between even and odd (never 0, the
+/// end-of-sequence id), the output may end after 3 of them and is complete after `len`.
+#[derive(Debug)]
+struct Alternating {
+    accepted: usize,
+    len: usize,
+}
+
+impl constraint::Constraint for Alternating {
+    fn allowed(&mut self) -> Result<constraint::Allowed, String> {
+        let mut words = vec![0u32; VOCAB.div_ceil(32)];
+        if self.accepted < self.len {
+            for t in (1..VOCAB).filter(|t| t % 2 == self.accepted % 2) {
+                words[t / 32] |= 1 << (t % 32);
+            }
+        }
+        Ok(constraint::Allowed {
+            words,
+            may_end: self.accepted >= 3,
+        })
+    }
+
+    fn accept(&mut self, token: u32) -> Result<(), String> {
+        if token as usize % 2 != self.accepted % 2 || token == 0 {
+            return Err(format!("token {token} at {}", self.accepted));
+        }
+        self.accepted += 1;
+        Ok(())
+    }
+
+    fn is_complete(&self) -> bool {
+        self.accepted >= self.len
+    }
+}
+
+/// Constrained requests sample on the device under their masks (no rows of logits come
+/// back) and follow the grammar to its end, greedy and sampled, batched with free ones;
+/// with drafts they verify on the host against masked rows, and greedy gives the same
+/// tokens either way.
+#[test]
+fn constrained_rows_are_masked_on_the_device_and_follow_the_grammar() {
+    let run_with = |cfg: SchedulerConfig| {
+        let mut run = Run::new(cfg, 512);
+        run.kv.model = soft;
+        let mut rxs = Vec::new();
+        for i in 0..6u64 {
+            let (tx, rx) = channel(ROOM);
+            run.sched.add(Submission {
+                id: i,
+                prompt: periodic_prompt(i as u32),
+                params: SamplingParams {
+                    max_tokens: 30,
+                    temperature: if i < 3 { 0.0 } else { 0.7 },
+                    seed: i,
+                    ..SamplingParams::default()
+                },
+                session: None,
+                events: tx,
+                ended_by_client: Default::default(),
+                constraint: (i % 3 != 2).then(|| {
+                    Box::new(Alternating {
+                        accepted: 0,
+                        len: 5 + i as usize,
+                    }) as Box<dyn constraint::Constraint>
+                }),
+            });
+            rxs.push(rx);
+        }
+        run.run_to_end();
+        let outcomes: Vec<_> = rxs.iter_mut().map(outcome).collect();
+        (outcomes, run.device_steps, run.logit_steps)
+    };
+    let (device, device_steps, logit_steps) = run_with(config(4, 512, 8));
+    assert!(
+        device_steps > 0 && logit_steps == 0,
+        "{logit_steps} steps read logits"
+    );
+    for (i, (tokens, usage)) in device.iter().enumerate() {
+        assert!(usage.is_some(), "request {i} finished");
+        if i % 3 == 2 {
+            continue; // free
+        }
+        assert!(
+            (3..=5 + i).contains(&tokens.len()),
+            "request {i}: {tokens:?} is as long as the grammar allows"
+        );
+        for (k, t) in tokens.iter().enumerate() {
+            assert_eq!(*t as usize % 2, k % 2, "request {i}: {tokens:?}");
+        }
+    }
+    let (drafted, _, logit_steps) = run_with(speculative(config(4, 512, 8), 3));
+    assert!(logit_steps > 0, "drafts verified from rows of logits");
+    for i in 0..3 {
+        assert_eq!(drafted[i].0, device[i].0, "greedy request {i}");
     }
 }
