@@ -365,10 +365,10 @@ fn warm_up<R: Runtime>(
 /// back and handed out. A step that needs the host between it and the next (rows of
 /// logits, drafts, captured states) is waited for before the next is planned.
 #[allow(clippy::too_many_arguments)]
-fn run<R: Runtime>(
-    model: &GpuModel<R>,
+fn run<'m, R: Runtime>(
+    model: &'m GpuModel<R>,
     pool: &KvPool,
-    host: &mut HostKv,
+    host: &mut HostKv<'m>,
     sched: &mut Scheduler,
     requests: &Receiver<Submission>,
     vocab: usize,
@@ -400,8 +400,11 @@ fn run<R: Runtime>(
             continue;
         };
         let copied = host.apply(model.client(), pool, &step.copies);
+        metrics
+            .kv_host_copy_queue_pages
+            .set(host.in_flight_pages() as f64);
         let planned = Instant::now();
-        let launched = copied.map_err(ModelError::from).and_then(|copied| {
+        let launched = copied.and_then(|copied| {
             metrics.kv_bytes_to_host.add(copied.to_host);
             metrics.kv_bytes_to_device.add(copied.to_device);
             let previous = in_flight.as_ref().and_then(|f| f.launched.sampled());

@@ -110,6 +110,8 @@ pub struct Metrics {
     /// The host tier: slots in use, slots in all, and pages copied each way.
     pub kv_host_pages: Gauge,
     pub kv_host_total_pages: Gauge,
+    /// Pages whose copy to the host is in flight (read back, not yet in their slots).
+    pub kv_host_copy_queue_pages: Gauge,
     pub kv_pages_to_host: Counter,
     pub kv_pages_to_device: Counter,
     pub kv_bytes_to_host: Counter,
@@ -152,6 +154,7 @@ impl Default for Metrics {
             kv_total_pages: Gauge::default(),
             kv_host_pages: Gauge::default(),
             kv_host_total_pages: Gauge::default(),
+            kv_host_copy_queue_pages: Gauge::default(),
             kv_pages_to_host: Counter::default(),
             kv_pages_to_device: Counter::default(),
             kv_bytes_to_host: Counter::default(),
@@ -294,6 +297,11 @@ impl Metrics {
             "kv_host_total_pages",
             "KV pages the host tier can hold.",
             self.kv_host_total_pages.get(),
+        );
+        gauge(
+            "kv_host_copy_queue_pages",
+            "KV pages whose copy to the host tier is in flight.",
+            self.kv_host_copy_queue_pages.get(),
         );
         gauge(
             "spec_drafter_bytes",
