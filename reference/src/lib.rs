@@ -21,6 +21,7 @@ pub mod data;
 pub use kiln_core::formats;
 pub mod gemm;
 pub mod mla;
+pub mod mla_heads;
 pub mod model;
 pub mod moe_gate;
 pub mod norm;

@@ -7,17 +7,20 @@
 //! with spare pages between requests, so a wrong block-table lookup reads the wrong data.
 use cubecl::prelude::*;
 use kiln_kernels::mla::{
-    self, tree_mask_words, AttnMetadata, KvFormat, PagedKvCache, MAX_TREE_NODES,
+    self, tree_mask_words, AttnMetadata, ContextRows, KvBShape, KvFormat, PagedKvCache,
+    MAX_TREE_NODES,
 };
 use kiln_kernels::Precision;
 use kiln_kernels::{DeviceArray, KernelError};
+use kiln_reference::absorb::KvB;
 use kiln_reference::data::{normal_with_outliers, Rng};
-use kiln_reference::formats::{bf16_encode, pack_u16_words, pack_u8_words};
+use kiln_reference::formats::{bf16_encode, bf16_round, pack_u16_words, pack_u8_words};
 use kiln_reference::mla::{
     fp8_row_encode, mla_attention, AttnBatch, PagedKv, KV_DIM, KV_LORA_RANK,
 };
+use kiln_reference::mla_heads::mla_attention_heads;
 use kiln_reference::rope::{softmax_scale, YarnConfig};
-use kiln_reference::tolerance::{attention_allowed, compare, DType};
+use kiln_reference::tolerance::{attention_allowed, compare, gamma, DType};
 
 use crate::report::time_launch;
 use crate::CaseReport;
@@ -96,15 +99,20 @@ fn scale_huge_tile(rows: &mut [f32], gain: f32) {
     }
 }
 
-/// Runs the case on the device and against the reference.
-pub fn run_mla<R: Runtime>(
-    client: &ComputeClient<R>,
-    case: &MlaCase,
-    timing: bool,
-) -> Result<CaseReport, KernelError> {
-    let mut rng = Rng::new(case.seed);
-    let (tables, num_pages) = assign_pages(&mut rng, &case.kv_lens, case.page_size);
-    let mut rows = normal_with_outliers(&mut rng, num_pages * case.page_size * KV_DIM, 1.0);
+/// A case's cache on the device and as the reference sees it (rows decoded from the
+/// stored format), its batch and its metadata.
+struct Stored {
+    cache: PagedKvCache,
+    seen: PagedKv,
+    batch: AttnBatch,
+    meta: AttnMetadata,
+}
+
+/// Fills a shuffled-page cache of `case`'s format with random rows (and random draft
+/// trees where the case has them).
+fn store<R: Runtime>(client: &ComputeClient<R>, case: &MlaCase, rng: &mut Rng) -> Stored {
+    let (tables, num_pages) = assign_pages(rng, &case.kv_lens, case.page_size);
+    let mut rows = normal_with_outliers(rng, num_pages * case.page_size * KV_DIM, 1.0);
     let gain = if case.huge_tile { 65536.0 } else { 1.0 };
     scale_huge_tile(&mut rows, gain);
     let stored = PagedKv {
@@ -133,7 +141,7 @@ pub fn run_mla<R: Runtime>(
     let trees: Vec<Option<Vec<i32>>> = if case.tree {
         case.q_lens
             .iter()
-            .map(|&q| Some(random_tree(&mut rng, q)))
+            .map(|&q| Some(random_tree(rng, q)))
             .collect()
     } else {
         Vec::new()
@@ -153,11 +161,6 @@ pub fn run_mla<R: Runtime>(
         block_tables: tables,
         trees,
     };
-    let tokens = batch.num_tokens();
-    let mut q = normal_with_outliers(&mut rng, tokens * case.heads * KV_DIM, 1.0);
-    scale_huge_tile(&mut q, 1.0 / gain);
-    let scale = softmax_scale(192, &YarnConfig::kimi_k2()) as f32;
-
     let max_blocks = batch
         .block_tables
         .iter()
@@ -176,7 +179,7 @@ pub fn run_mla<R: Runtime>(
     let kv_lens: Vec<u32> = case.kv_lens.iter().map(|&l| l as u32).collect();
     let meta = AttnMetadata {
         batch: case.q_lens.len(),
-        num_tokens: tokens,
+        num_tokens: batch.num_tokens(),
         max_q_len: case.q_lens.iter().copied().max().unwrap_or(0),
         max_kv_len: case.kv_lens.iter().copied().max().unwrap_or(0),
         cu_q_lens: DeviceArray::upload(client, &cu),
@@ -191,6 +194,33 @@ pub fn run_mla<R: Runtime>(
         page_size: case.page_size,
         num_pages,
     };
+    Stored {
+        cache,
+        seen,
+        batch,
+        meta,
+    }
+}
+
+/// Runs the case on the device and against the reference.
+pub fn run_mla<R: Runtime>(
+    client: &ComputeClient<R>,
+    case: &MlaCase,
+    timing: bool,
+) -> Result<CaseReport, KernelError> {
+    let mut rng = Rng::new(case.seed);
+    let Stored {
+        cache,
+        seen,
+        batch,
+        meta,
+    } = store(client, case, &mut rng);
+    let tokens = batch.num_tokens();
+    let gain = if case.huge_tile { 65536.0 } else { 1.0 };
+    let mut q = normal_with_outliers(&mut rng, tokens * case.heads * KV_DIM, 1.0);
+    scale_huge_tile(&mut q, 1.0 / gain);
+    let scale = softmax_scale(192, &YarnConfig::kimi_k2()) as f32;
+
     let q_dev = DeviceArray::upload(client, &q);
     let out = DeviceArray::filled(client, tokens * case.heads * KV_LORA_RANK, f32::NAN);
     let launch = || match case.mode {
@@ -264,6 +294,89 @@ pub fn run_mla<R: Runtime>(
     );
     report.time_us = time_launch(client, timing, || launch().expect("validated above"));
     Ok(report)
+}
+
+/// Runs the case in the per-head form (`kiln_kernels::mla::mla_prefill_heads`, causal: the
+/// case's trees and mode are not used) with a random `kv_b_proj` of `nope` key and `v`
+/// value rows per head, against `kiln_reference::mla_heads`.
+pub fn run_mla_heads<R: Runtime>(
+    client: &ComputeClient<R>,
+    case: &MlaCase,
+    nope: usize,
+    v: usize,
+) -> Result<CaseReport, KernelError> {
+    let mut rng = Rng::new(case.seed);
+    let Stored {
+        cache,
+        seen,
+        batch,
+        meta,
+    } = store(client, case, &mut rng);
+    let tokens = batch.num_tokens();
+    let q = normal_with_outliers(&mut rng, tokens * case.heads * (nope + 64), 1.0);
+    // bf16 weights, as checkpoints ship kv_b_proj.
+    let weight: Vec<f32> =
+        normal_with_outliers(&mut rng, case.heads * (nope + v) * KV_LORA_RANK, 0.05)
+            .iter()
+            .map(|&w| bf16_round(w))
+            .collect();
+    let bits: Vec<u16> = weight.iter().map(|&w| bf16_encode(w)).collect();
+    let kv_b = DeviceArray::upload(client, &pack_u16_words(&bits));
+    let shape = KvBShape {
+        heads: case.heads,
+        nope,
+        v,
+    };
+    let scale = softmax_scale(192, &YarnConfig::kimi_k2()) as f32;
+    let context = ContextRows::new(client, &case.kv_lens);
+    let out = DeviceArray::filled(client, tokens * case.heads * v, f32::NAN);
+    let q_dev = DeviceArray::upload(client, &q);
+    let precision = Precision::Exact;
+    mla::mla_prefill_heads(
+        client, &q_dev, &cache, &meta, &context, &kv_b, shape, scale, &out, precision,
+    )?;
+    let kvb = KvB {
+        weight: &weight,
+        heads: case.heads,
+        nope,
+        v,
+        kv_lora: KV_LORA_RANK,
+    };
+    let reference = mla_attention_heads(&q, &seen, &batch, &kvb, scale);
+    // Keys and values are f32 dots of 512 bf16 weights (exact) with the decoded latent:
+    // `gamma(512)` of their magnitudes, which the scores see through `nope` more products
+    // (the head dim below) and the output takes as is (the last term).
+    let mut allowed = Vec::with_capacity(reference.out.len());
+    let mut t = 0;
+    for (&q_len, &kv_len) in case.q_lens.iter().zip(&case.kv_lens) {
+        for _ in 0..q_len * case.heads {
+            let value = reference.value_magnitude[t];
+            let bound = attention_allowed(
+                KV_LORA_RANK + nope + 64,
+                kv_len,
+                reference.score_magnitude[t],
+                value,
+                DType::F32,
+                DType::F32,
+                DType::F32,
+            ) + gamma(KV_LORA_RANK + 2, DType::F32) * value;
+            allowed.extend(std::iter::repeat_n(bound, v));
+            t += 1;
+        }
+    }
+    let cmp = compare(&out.read(client), &reference.out, &allowed);
+    let dtype = match case.format {
+        KvFormat::F32 => "f32 kv",
+        KvFormat::Bf16 => "bf16 kv",
+        KvFormat::Fp8 => "fp8 kv",
+    };
+    Ok(CaseReport::from_comparison(
+        "mla_prefill_heads",
+        format!("{} nope={nope} v={v}", case.shape()),
+        dtype,
+        "attention per head (f32)".to_string(),
+        &cmp,
+    ))
 }
 
 #[cfg(test)]

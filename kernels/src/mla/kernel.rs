@@ -214,7 +214,7 @@ pub(super) fn kv_row(
 
 /// Element `d` (0..576) of cache row `row`, decoded from its storage format.
 #[cube]
-fn kv_value(kv: &Array<u32>, row: usize, d: usize, #[comptime] format: KvFormat) -> f32 {
+pub(super) fn kv_value(kv: &Array<u32>, row: usize, d: usize, #[comptime] format: KvFormat) -> f32 {
     if comptime!(format == KvFormat::F32) {
         f32::reinterpret(kv[row * 576 + d])
     } else if comptime!(format == KvFormat::Bf16) {

@@ -29,6 +29,7 @@ mod absorb;
 mod absorb_mma;
 mod cache_write;
 mod combine;
+mod heads;
 mod kernel;
 mod kv_chunks;
 mod mma;
@@ -40,6 +41,7 @@ use cubecl::prelude::*;
 
 pub use absorb::{absorb_query, absorbs_on_tensor_cores, project_values, KvBShape};
 pub use cache_write::{write_kv, write_kv_normed, KvRowPrep};
+pub use heads::{mla_prefill_heads, ContextRows};
 pub use page_copy::{gather_pages, page_words, scatter_pages};
 pub use tree_mask::{tree_mask_words, MAX_TREE_NODES};
 

@@ -3,7 +3,7 @@
 //! kv_len not a multiple of the page or chunk), both KV formats and both tilings.
 use crate::cases::{reports_pass, run_cases};
 use cubecl::prelude::*;
-use kiln_conformance::mla::{run_mla, AttnMode, MlaCase};
+use kiln_conformance::mla::{run_mla, run_mla_heads, AttnMode, MlaCase};
 use kiln_kernels::mla::{
     absorb_query, absorbs_on_tensor_cores, mla_decode, mla_prefill, project_values, write_kv,
     write_kv_normed, AttnMetadata, KvBShape, KvFormat, KvRowPrep, PagedKvCache,
@@ -68,6 +68,18 @@ fn decode<R: Runtime>(client: &ComputeClient<R>) {
 
 fn prefill<R: Runtime>(client: &ComputeClient<R>) {
     mla_cases(client, cases(AttnMode::Prefill, 150));
+}
+
+/// The per-head form over the same ragged batches, page sizes and formats as the prefill,
+/// with head dims of Kimi's (nope 128, v 128) and odd smaller ones (v past one unit per
+/// value dimension, and short of it).
+fn per_head_prefill<R: Runtime>(client: &ComputeClient<R>) {
+    let dims = prop::sample::select(vec![(128usize, 128usize), (16, 72), (8, 5)]);
+    reports_pass(
+        16,
+        &(cases(AttnMode::Prefill, 150), dims),
+        |(case, (nope, v))| run_mla_heads(client, case, *nope, *v),
+    );
 }
 
 /// Draft trees as the last queries of each request (random shapes, up to 32 nodes, after
@@ -570,6 +582,7 @@ kiln_backends::backend_tests! {
     normed_cache_writes,
     decode,
     prefill,
+    per_head_prefill,
     trees,
     kimi_trees,
     kimi_shapes,
