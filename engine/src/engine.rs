@@ -104,6 +104,9 @@ pub struct EngineConfig {
     /// Plan and issue each step while the device runs the one before, where the step
     /// before draws all its tokens on the device (see `run`).
     pub overlap: bool,
+    /// Requests prefilling this many new tokens or more attend in MLA's per-head form
+    /// (`GpuModel::set_per_head_from`; `None`: all absorbed).
+    pub per_head_from: Option<usize>,
 }
 
 /// What the server needs to know about the running model.
@@ -240,10 +243,11 @@ impl BackendVisitor for Runner {
             let _ = self.ready.send(Err(e));
         };
         tracing::info!(device = %report.name, backend = ?report.backend, "loading the model");
-        let model = match self.source.load(client, self.cfg.precision) {
+        let mut model = match self.source.load(client, self.cfg.precision) {
             Ok(m) => m,
             Err(e) => return fail(StartError::Load(e)),
         };
+        model.set_per_head_from(self.cfg.per_head_from);
         let page = self.cfg.page_size;
         let row_bytes = (self.cfg.kv_format.words_per_row() * 4) as u64;
         let layers = model.config.num_hidden_layers as u64;

@@ -558,7 +558,57 @@ fn a_draft_tree_scores_each_node_as_its_path_alone<R: Runtime>(client: &ComputeC
     }
 }
 
+/// MLA's per-head form computes HF's function too: every golden sequence prefilled with
+/// every request per-head, then two in one batch split between the forms (the longer
+/// per-head, the shorter absorbed: queries gathered per form, values scattered back).
+fn per_head_prefill_matches_hf<R: Runtime>(client: &ComputeClient<R>) {
+    for name in ["tiny-kimi", CODER] {
+        let (_, mut model) = device_model(client, name, Precision::Exact);
+        let vocab = model.config.vocab_size;
+        model.set_per_head_from(Some(1));
+        let mut goldens = golden(&fixture(name));
+        for (tokens, logits) in &goldens {
+            let got = prefill(&model, tokens, KvFormat::F32);
+            check_rows(name, &got, logits, vocab, bound(Precision::Exact));
+        }
+        goldens.sort_by_key(|(tokens, _)| tokens.len());
+        let (short, long) = (&goldens[0], &goldens[goldens.len() - 1]);
+        assert!(
+            short.0.len() < long.0.len(),
+            "{name}: goldens of two lengths"
+        );
+        model.set_per_head_from(Some(long.0.len()));
+        let page = 4;
+        let pages = |n: usize| n.div_ceil(page) as u32;
+        let pool = model.kv_pool(
+            (pages(short.0.len()) + pages(long.0.len())) as usize,
+            page,
+            KvFormat::F32,
+        );
+        let slice = |tokens: &[u32], first: u32| RequestSlice {
+            tokens: tokens.to_vec(),
+            kv_len: tokens.len(),
+            block_table: (first..first + pages(tokens.len())).collect(),
+            tree: None,
+        };
+        let batch = Batch::new(vec![
+            slice(&short.0, 0),
+            slice(&long.0, pages(short.0.len())),
+        ]);
+        let got: Vec<f64> = model
+            .forward(&batch, &pool)
+            .unwrap()
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
+        let (a, b) = got.split_at(short.0.len() * vocab);
+        check_rows(name, a, &short.1, vocab, bound(Precision::Exact));
+        check_rows(name, b, &long.1, vocab, bound(Precision::Exact));
+    }
+}
+
 kiln_backends::backend_tests! {
+    per_head_prefill_matches_hf,
     kimi_prefill,
     kimi_nvfp4_prefill,
     coder_prefill,

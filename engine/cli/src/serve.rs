@@ -14,6 +14,7 @@ use kiln::engine::{self, EngineConfig, ModelSource};
 use kiln::model::default_model;
 use kiln::server::{router, AppState, ChatTemplate, KimiFormat, KIMI_TEMPLATE};
 use kiln::speculative::{DraftPolicy, DrafterKind, SpecConfig, MAX_DRAFT_NODES};
+use kiln_kernels::mla::PER_HEAD_MIN_Q_LEN;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -112,6 +113,12 @@ pub struct ServeArgs {
     /// is waited for either way. Outputs are the same.
     #[arg(long)]
     disable_overlap_schedule: bool,
+    /// Requests prefilling at least N new tokens in a step attend in MLA's per-head form
+    /// (context expanded by kv_b_proj, 192/128-wide heads: fewer products than the
+    /// absorbed form for long spans), the rest absorbed; 0: always absorbed. Devices whose
+    /// absorbed kernels run on tensor cores (CUDA at bf16) stay absorbed for now.
+    #[arg(long, default_value_t = PER_HEAD_MIN_Q_LEN, value_name = "N")]
+    mla_per_head_from: usize,
 }
 
 /// `--speculative`.
@@ -268,6 +275,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         stall_timeout,
         speculative: speculative(&args)?,
         overlap: !args.disable_overlap_schedule,
+        per_head_from: (args.mla_per_head_from > 0).then_some(args.mla_per_head_from),
     };
     let engine = engine::start(cfg, source)?;
     let chat = KimiFormat::new(&codec).ok();

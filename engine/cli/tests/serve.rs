@@ -605,6 +605,38 @@ async fn the_overlapped_schedule_gives_the_same_tokens_as_waiting_for_each_step(
     );
 }
 
+/// Prompts long enough to prefill in MLA's per-head form (the default from 512 new tokens
+/// on wgpu) sent together with short ones (absorbed in the same steps): the same greedy
+/// tokens as a server that attends absorbed only (`--mla-per-head-from 0`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_head_prefill_gives_the_same_greedy_tokens_as_absorbed() {
+    let mixed = Server::start(&[]);
+    let absorbed = Server::start(&["--mla-per-head-from", "0"]);
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|i| {
+            let len = if i % 2 == 0 { 600 + 40 * i } else { 12 + i };
+            (0..len).map(|t| 5 + (t * 37 + i * 11) % 400).collect()
+        })
+        .collect();
+    let run = |url: String| {
+        let prompts = prompts.clone();
+        async move {
+            let url = format!("{url}/generate");
+            let calls = prompts.iter().map(|p| {
+                let body = json!({"input_ids": p, "sampling_params": {"max_new_tokens": 8,
+                                  "temperature": 0, "ignore_eos": true}});
+                post(&url, body.to_string(), None)
+            });
+            futures_util::future::join_all(calls).await
+        }
+    };
+    let (a, b) = tokio::join!(run(mixed.url.clone()), run(absorbed.url.clone()));
+    for (i, ((sa, ra), (sb, rb))) in a.iter().zip(&b).enumerate() {
+        assert_eq!((*sa, *sb), (200, 200), "{ra} {rb}");
+        assert_eq!(ra["output_ids"], rb["output_ids"], "prompt {i}");
+    }
+}
+
 /// Agent sessions whose histories outgrow the device pool (12 pages of 16 tokens for six
 /// sessions of up to ~180 tokens), turn after turn: with the host tier the later turns hit
 /// what the device pool evicted (copied back), and the greedy outputs are those of a

@@ -13,8 +13,10 @@
 //!
 //! The attention kernel is the portable one's pattern (`kernel.rs`): a cube per (query
 //! tile, head, request), a unit per position of a 64-position chunk, online softmax. No
-//! tensor-core variant yet, and the engine does not route prefill here yet (a step mixes
-//! decoding requests with prefill chunks, which must stay absorbed).
+//! tensor-core variant yet. The engine routes requests of [`PER_HEAD_MIN_Q_LEN`] new tokens
+//! or more here and the rest of the same step (decodes, short chunks) to the absorbed
+//! kernels ([`attends_per_head`]; their queries gathered per form, their values scattered
+//! back).
 use cubecl::prelude::*;
 
 use super::absorb::KvBShape;
@@ -32,6 +34,18 @@ const ROWS_PER_CUBE: u32 = 16;
 const TILE: u32 = 4;
 /// Stands for minus infinity: WGSL has no infinite literals.
 const NEG_BIG: f32 = -3.0e38;
+/// Fewest new tokens of a request for which the engine attends in the per-head form by
+/// default (`GpuModel::set_per_head_from`): above the break-even (see the module's notes,
+/// about 350 for Kimi's dims), where the form saves most of the attention's products.
+pub const PER_HEAD_MIN_Q_LEN: usize = 512;
+
+/// Whether a request of `q_len` new tokens attends in the per-head form when requests of
+/// `from` new tokens or more do (`None`: none do): a causal span that long (a draft tree
+/// stays absorbed).
+pub fn attends_per_head(q_len: usize, tree: bool, from: Option<usize>) -> bool {
+    from.is_some_and(|from| q_len >= from.max(1)) && !tree
+}
+
 /// Each request's context rows, contiguous: request `b`'s from row `cu_kv_lens[b]`.
 pub struct ContextRows {
     /// `batch + 1` prefix sums of the requests' KV lengths.

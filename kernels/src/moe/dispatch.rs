@@ -282,3 +282,63 @@ pub fn gather_rows<R: Runtime, E: CubePrimitive + CubeElement>(
     }
     Ok(())
 }
+
+#[cube(launch_unchecked)]
+fn scatter_kernel<E: CubePrimitive>(
+    x: &Array<E>,
+    dest: &Array<u32>,
+    out: &mut Array<E>,
+    cols: u32,
+) {
+    let r = CUBE_POS_X as usize;
+    let c = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let n = cols as usize;
+    if c < n {
+        let row = dest[r] as usize;
+        out[row * n + c] = x[r * n + c];
+    }
+}
+
+/// `out[dest[r], :] = x[r, :]`, the inverse of [`gather_rows`] (rows of `out` that no
+/// `dest` names keep their values; `dest` must not repeat a row).
+pub fn scatter_rows<R: Runtime, E: CubePrimitive + CubeElement>(
+    client: &ComputeClient<R>,
+    x: &DeviceArray<E>,
+    cols: usize,
+    dest: &DeviceArray<u32>,
+    out: &DeviceArray<E>,
+) -> Result<(), KernelError> {
+    if cols == 0 || !out.len().is_multiple_of(cols) {
+        return Err(KernelError::Alignment {
+            what: "rows of out",
+            value: out.len(),
+            multiple: cols.max(1),
+        });
+    }
+    check_len("scattered rows", x, dest.len() * cols)?;
+    let max = client.properties().hardware.max_cube_count.0 as usize;
+    if dest.len() > max {
+        return Err(KernelError::Range {
+            what: "scattered rows",
+            value: dest.len(),
+            min: 0,
+            max,
+        });
+    }
+    if dest.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: shapes validated; destinations are trusted to index rows of `out`.
+    unsafe {
+        scatter_kernel::launch_unchecked::<E, R>(
+            client,
+            CubeCount::Static(dest.len() as u32, (cols as u32).div_ceil(UNITS), 1),
+            CubeDim::new_1d(UNITS),
+            x.arg(),
+            dest.arg(),
+            out.arg(),
+            cols as u32,
+        )
+    }
+    Ok(())
+}

@@ -10,5 +10,5 @@ mod dispatch;
 mod gate;
 
 pub use combine::combine;
-pub use dispatch::{dispatch, gather_rows, Dispatch};
+pub use dispatch::{dispatch, gather_rows, scatter_rows, Dispatch};
 pub use gate::{route, GateParams, Routing, MAX_EXPERTS};

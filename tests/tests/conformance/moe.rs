@@ -2,7 +2,9 @@
 //! router and plain host arithmetic, on every backend.
 use crate::cases::run_cases;
 use cubecl::prelude::*;
-use kiln_kernels::moe::{combine, dispatch, gather_rows, route, Dispatch, GateParams, Routing};
+use kiln_kernels::moe::{
+    combine, dispatch, gather_rows, route, scatter_rows, Dispatch, GateParams, Routing,
+};
 use kiln_kernels::{DeviceArray, KernelError};
 use kiln_reference::data::{normal_with_outliers, Rng};
 use kiln_reference::moe_gate::{self, selection_margins, GateConfig};
@@ -219,7 +221,44 @@ fn bad_router_configs_are_typed_errors<R: Runtime>(client: &ComputeClient<R>) {
     ));
 }
 
+/// Rows scattered to a permutation of a larger buffer's rows (rows no one names keep their
+/// poison), odd widths: `out[dest[r]] = x[r]`.
+fn scattered_rows_land_where_named<R: Runtime>(client: &ComputeClient<R>) {
+    run_cases(
+        24,
+        &(1usize..=40, 0usize..=8, 1usize..=300, any::<u64>()),
+        |(rows, spare, cols, seed)| {
+            let mut rng = Rng::new(seed);
+            let mut dest: Vec<u32> = (0..(rows + spare) as u32).collect();
+            rng.shuffle(&mut dest);
+            dest.truncate(rows);
+            let x = normal_with_outliers(&mut rng, rows * cols, 1.0);
+            let out = DeviceArray::filled(client, (rows + spare) * cols, f32::NAN);
+            let dest_dev = DeviceArray::upload(client, &dest);
+            scatter_rows(
+                client,
+                &DeviceArray::upload(client, &x),
+                cols,
+                &dest_dev,
+                &out,
+            )
+            .unwrap();
+            let got = out.read(client);
+            for (r, &d) in dest.iter().enumerate() {
+                let d = d as usize;
+                prop_assert_eq!(&got[d * cols..(d + 1) * cols], &x[r * cols..(r + 1) * cols]);
+            }
+            let untouched = (0..rows + spare).filter(|d| !dest.contains(&(*d as u32)));
+            for d in untouched {
+                prop_assert!(got[d * cols..(d + 1) * cols].iter().all(|v| v.is_nan()));
+            }
+            Ok(())
+        },
+    );
+}
+
 kiln_backends::backend_tests! {
+    scattered_rows_land_where_named,
     router_matches_the_reference,
     dispatch_gather_combine,
     bad_router_configs_are_typed_errors,

@@ -3,7 +3,9 @@
 use cubecl::prelude::*;
 use cubecl::server::ServerError;
 use kiln_core::sampling::SamplingRow;
-use kiln_kernels::mla::{tree_mask_words, AttnMetadata, PagedKvCache, MAX_TREE_NODES};
+use kiln_kernels::mla::{
+    attends_per_head, tree_mask_words, AttnMetadata, ContextRows, PagedKvCache, MAX_TREE_NODES,
+};
 use kiln_kernels::{DeviceArray, PendingRead};
 
 use super::ModelError;
@@ -186,6 +188,26 @@ pub(super) struct Plan {
     pub meta: AttnMetadata,
     /// Index of each request's last token, when only those get logits.
     pub last_rows: Option<DeviceArray<u32>>,
+    /// Where some requests attend in MLA's per-head form (`None`: all absorbed).
+    pub per_head: Option<PerHeadSplit>,
+}
+
+/// A batch's requests split between MLA's per-head form (long prefill spans) and the
+/// absorbed one (the rest).
+pub(super) struct PerHeadSplit {
+    pub heads: Part,
+    /// The per-head requests' context rows.
+    pub context: ContextRows,
+    /// The other requests (`None`: there are none).
+    pub absorbed: Option<Part>,
+}
+
+/// Some of a batch's requests, as one attention call sees them.
+pub(super) struct Part {
+    pub meta: AttnMetadata,
+    /// Their tokens' indices in the batch (`None`: every token of the batch, in order).
+    pub rows: Option<DeviceArray<u32>>,
+    pub positions: DeviceArray<u32>,
 }
 
 impl Batch {
@@ -210,12 +232,15 @@ impl Batch {
         }
     }
 
-    /// Checks the batch against the vocabulary and the pool, and lays it out.
+    /// Checks the batch against the vocabulary and the pool, and lays it out; requests of
+    /// `per_head_from` new tokens or more attend in the per-head form
+    /// ([`attends_per_head`]).
     pub(super) fn plan<R: Runtime>(
         &self,
         client: &ComputeClient<R>,
         vocab: usize,
         pool: &KvPool,
+        per_head_from: Option<usize>,
     ) -> Result<Plan, ModelError> {
         let bad = |msg: String| Err(ModelError::Batch(msg));
         if self.requests.is_empty() {
@@ -232,10 +257,7 @@ impl Batch {
             .unwrap_or(0)
             .max(1);
         let (mut tokens, mut positions, mut slots) = (Vec::new(), Vec::new(), Vec::new());
-        let mut masks = Vec::new();
-        let any_tree = self.requests.iter().any(|r| r.tree.is_some());
         let mut cu = vec![0u32];
-        let mut table = vec![0u32; self.requests.len() * max_blocks];
         for (b, r) in self.requests.iter().enumerate() {
             let q = r.tokens.len();
             if q == 0 || q > r.kv_len {
@@ -287,30 +309,31 @@ impl Batch {
                 let page = r.block_table[pos / pool.page_size] as usize;
                 slots.push((page * pool.page_size + pos % pool.page_size) as u32);
             }
-            if any_tree {
-                masks.extend(tree_mask_words(q, tree));
-            }
             cu.push(tokens.len() as u32);
-            table[b * max_blocks..b * max_blocks + r.block_table.len()]
-                .copy_from_slice(&r.block_table);
         }
-        let kv_lens: Vec<u32> = self.requests.iter().map(|r| r.kv_len as u32).collect();
-        let meta = AttnMetadata {
-            batch: self.requests.len(),
-            num_tokens: tokens.len(),
-            max_q_len: self
-                .requests
-                .iter()
-                .map(|r| r.tokens.len())
-                .max()
-                .unwrap_or(1),
-            max_kv_len: self.requests.iter().map(|r| r.kv_len).max().unwrap_or(1),
-            cu_q_lens: DeviceArray::upload(client, &cu),
-            kv_lens: DeviceArray::upload(client, &kv_lens),
-            block_table: DeviceArray::upload(client, &table),
-            max_blocks,
-            tree_masks: any_tree.then(|| DeviceArray::upload(client, &masks)),
+        let all: Vec<usize> = (0..self.requests.len()).collect();
+        let meta = attention_meta(client, &self.requests, &all, max_blocks);
+        let (heads, rest): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&b| {
+            let r = &self.requests[b];
+            attends_per_head(r.tokens.len(), r.tree.is_some(), per_head_from)
+        });
+        let part = |members: &[usize]| {
+            let rows: Vec<u32> = members.iter().flat_map(|&b| cu[b]..cu[b + 1]).collect();
+            let pos: Vec<u32> = rows.iter().map(|&t| positions[t as usize]).collect();
+            Part {
+                meta: attention_meta(client, &self.requests, members, max_blocks),
+                rows: (rows.len() < tokens.len()).then(|| DeviceArray::upload(client, &rows)),
+                positions: DeviceArray::upload(client, &pos),
+            }
         };
+        let per_head = (!heads.is_empty()).then(|| {
+            let kv_lens: Vec<usize> = heads.iter().map(|&b| self.requests[b].kv_len).collect();
+            PerHeadSplit {
+                heads: part(&heads),
+                context: ContextRows::new(client, &kv_lens),
+                absorbed: (!rest.is_empty()).then(|| part(&rest)),
+            }
+        });
         let rows: Option<Vec<u32>> = match &self.logits {
             LogitRows::All => None,
             LogitRows::Last => Some(cu[1..].iter().map(|&end| end - 1).collect()),
@@ -340,7 +363,45 @@ impl Batch {
             positions: DeviceArray::upload(client, &positions),
             slots: DeviceArray::upload(client, &slots),
             meta,
+            per_head,
         })
+    }
+}
+
+/// The attention metadata of requests `members` (indices into `requests`, in order) laid
+/// out one after another.
+fn attention_meta<R: Runtime>(
+    client: &ComputeClient<R>,
+    requests: &[RequestSlice],
+    members: &[usize],
+    max_blocks: usize,
+) -> AttnMetadata {
+    let any_tree = members.iter().any(|&b| requests[b].tree.is_some());
+    let (mut cu, mut kv_lens, mut masks) = (vec![0u32], Vec::new(), Vec::new());
+    let mut table = vec![0u32; members.len() * max_blocks];
+    for (i, &b) in members.iter().enumerate() {
+        let r = &requests[b];
+        cu.push(cu[i] + r.tokens.len() as u32);
+        kv_lens.push(r.kv_len as u32);
+        table[i * max_blocks..i * max_blocks + r.block_table.len()].copy_from_slice(&r.block_table);
+        if any_tree {
+            masks.extend(tree_mask_words(
+                r.tokens.len(),
+                r.tree.as_deref().unwrap_or(&[-1]),
+            ));
+        }
+    }
+    let of = |f: fn(&RequestSlice) -> usize| members.iter().map(|&b| f(&requests[b])).max();
+    AttnMetadata {
+        batch: members.len(),
+        num_tokens: cu[members.len()] as usize,
+        max_q_len: of(|r| r.tokens.len()).unwrap_or(1),
+        max_kv_len: of(|r| r.kv_len).unwrap_or(1),
+        cu_q_lens: DeviceArray::upload(client, &cu),
+        kv_lens: DeviceArray::upload(client, &kv_lens),
+        block_table: DeviceArray::upload(client, &table),
+        max_blocks,
+        tree_masks: any_tree.then(|| DeviceArray::upload(client, &masks)),
     }
 }
 

@@ -5,18 +5,19 @@ use cubecl::prelude::*;
 use kiln_kernels::embedding::embedding;
 use kiln_kernels::gemm::gated_gemm;
 use kiln_kernels::mla::{
-    self, absorb_query, project_values, write_kv_normed, KvRowPrep, PagedKvCache, MAX_DECODE_Q_LEN,
+    self, absorb_query, mla_prefill_heads, project_values, write_kv_normed, AttnMetadata,
+    ContextRows, KvRowPrep, PagedKvCache, MAX_DECODE_Q_LEN,
 };
-use kiln_kernels::moe::{combine, dispatch, gather_rows, route, Dispatch, Routing};
+use kiln_kernels::moe::{combine, dispatch, gather_rows, route, scatter_rows, Dispatch, Routing};
 use kiln_kernels::rmsnorm::{add_rmsnorm, rmsnorm};
-use kiln_kernels::rope::Rotation;
+use kiln_kernels::rope::{rope_inplace, RopeLayout, Rotation};
 use kiln_kernels::sample::{feed_tokens, mask_logits, sample_rows, token_logprobs, NO_MASK};
 use std::sync::atomic::Ordering;
 
 use kiln_kernels::{DeviceArray, KernelError};
 
 use super::batch::Plan;
-use super::batch::{Launched, Reads};
+use super::batch::{Launched, Part, Reads};
 use super::{Attention, Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, QProj, StepOutput};
 
 impl<R: Runtime> GpuModel<R> {
@@ -50,7 +51,7 @@ impl<R: Runtime> GpuModel<R> {
                 self.layers.len()
             )));
         }
-        let plan = batch.plan(&self.client, self.config.vocab_size, pool)?;
+        let plan = self.plan(batch, pool)?;
         let (cl, c) = (&self.client, &self.config);
         if !batch.from_previous.is_empty() {
             let previous = previous.ok_or_else(|| {
@@ -248,6 +249,16 @@ impl<R: Runtime> GpuModel<R> {
         Ok(Some(out))
     }
 
+    /// Lays `batch` out for `pool`, with the requests that attend per head split off where
+    /// this device takes the per-head form ([`GpuModel::set_per_head_from`]).
+    fn plan(&self, batch: &Batch, pool: &KvPool) -> Result<Plan, ModelError> {
+        let per_head = self.per_head_from.filter(|_| {
+            let format = pool.caches.first().map(|c| c.format);
+            !format.is_some_and(|f| mla::uses_tensor_cores(&self.client, f, self.precision))
+        });
+        batch.plan(&self.client, self.config.vocab_size, pool, per_head)
+    }
+
     /// Counts one kernel call: one launch, except split-K GEMMs and the prefill-sized MoE
     /// dispatch, which launch two.
     fn launched<T>(&self, result: Result<T, KernelError>) -> Result<T, ModelError> {
@@ -295,35 +306,96 @@ impl<R: Runtime> GpuModel<R> {
             }
             QProj::Direct(w) => self.launched(w.apply(cl, x, t, &q, self.precision))?,
         }
-        // The rope parts of the queries and the new KV rows are rotated on the way: by the
-        // absorption and by the cache write.
-        let rotation = || Rotation {
-            positions: &plan.positions,
-            inv_freq: &self.inv_freq,
-            scale: self.rope_scale,
-        };
+        // The new KV rows are normalised and rotated on the way into the cache.
         let kv_a = self.scratch(t * 576);
         self.launched(a.kv_a.apply(cl, x, t, &kv_a, self.precision))?;
         let prep = KvRowPrep {
             norm: &a.kv_a_norm,
             eps,
-            rope: rotation(),
+            rope: Rotation {
+                positions: &plan.positions,
+                inv_freq: &self.inv_freq,
+                scale: self.rope_scale,
+            },
         };
         self.launched(write_kv_normed(cl, &kv_a, &prep, &plan.slots, cache))?;
 
+        let values = self.scratch(t * heads * c.v_head_dim);
+        match &plan.per_head {
+            None => self.absorbed(a, &q, t, &plan.meta, &plan.positions, cache, &values)?,
+            Some(split) => {
+                self.part(&q, qk, &split.heads, &values, |q, tokens, out| {
+                    self.per_head(a, q, tokens, &split.heads, &split.context, cache, out)
+                })?;
+                if let Some(rest) = &split.absorbed {
+                    self.part(&q, qk, rest, &values, |q, tokens, out| {
+                        self.absorbed(a, q, tokens, &rest.meta, &rest.positions, cache, out)
+                    })?;
+                }
+            }
+        }
+        self.launched(a.o.apply(cl, &values, t, out, self.precision))?;
+        Ok(())
+    }
+
+    /// Runs `attend` on `part`'s queries (`qk` per head, gathered from `q` unless the part
+    /// is the whole batch) and puts its values (`[tokens, heads, v]`) into their rows of
+    /// `values`.
+    fn part(
+        &self,
+        q: &DeviceArray<f32>,
+        qk: usize,
+        part: &Part,
+        values: &DeviceArray<f32>,
+        attend: impl FnOnce(&DeviceArray<f32>, usize, &DeviceArray<f32>) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        let cl = &self.client;
+        let Some(rows) = &part.rows else {
+            return attend(q, part.meta.num_tokens, values);
+        };
+        let (heads, v) = (self.config.num_attention_heads, self.config.v_head_dim);
+        let tokens = rows.len();
+        let q_part = self.scratch(tokens * heads * qk);
+        self.launched(gather_rows(cl, q, heads * qk, rows, &q_part))?;
+        let v_part = self.scratch(tokens * heads * v);
+        attend(&q_part, tokens, &v_part)?;
+        self.launched(scatter_rows(cl, &v_part, heads * v, rows, values))?;
+        Ok(())
+    }
+
+    /// Absorbed MLA: the queries absorbed (their rope part rotated on the way), attention
+    /// over the 576-wide cache rows, the latent output projected to values.
+    #[allow(clippy::too_many_arguments)]
+    fn absorbed(
+        &self,
+        a: &Attention,
+        q: &DeviceArray<f32>,
+        t: usize,
+        meta: &AttnMetadata,
+        positions: &DeviceArray<u32>,
+        cache: &PagedKvCache,
+        values: &DeviceArray<f32>,
+    ) -> Result<(), ModelError> {
+        let cl = &self.client;
+        let heads = self.config.num_attention_heads;
+        let rotation = Rotation {
+            positions,
+            inv_freq: &self.inv_freq,
+            scale: self.rope_scale,
+        };
         let q_abs = self.scratch(t * heads * 576);
         self.launched(absorb_query(
             cl,
-            &q,
+            q,
             t,
             &a.kv_b,
             self.kv_b_shape,
-            &rotation(),
+            &rotation,
             &q_abs,
             self.precision,
         ))?;
         let latent = self.scratch(t * heads * 512);
-        let attend = if plan.meta.max_q_len <= MAX_DECODE_Q_LEN {
+        let attend = if meta.max_q_len <= MAX_DECODE_Q_LEN {
             mla::mla_decode
         } else {
             mla::mla_prefill
@@ -333,22 +405,64 @@ impl<R: Runtime> GpuModel<R> {
             &q_abs,
             heads,
             cache,
-            &plan.meta,
+            meta,
             self.softmax_scale,
             &latent,
             self.precision,
         ))?;
-        let values = self.scratch(t * heads * c.v_head_dim);
         self.launched(project_values(
             cl,
             &latent,
             t,
             &a.kv_b,
             self.kv_b_shape,
-            &values,
+            values,
             self.precision,
         ))?;
-        self.launched(a.o.apply(cl, &values, t, out, self.precision))?;
+        Ok(())
+    }
+
+    /// Per-head MLA: the queries' rope part rotated in place, the context expanded by
+    /// `kv_b_proj`, attention per head straight to values.
+    #[allow(clippy::too_many_arguments)]
+    fn per_head(
+        &self,
+        a: &Attention,
+        q: &DeviceArray<f32>,
+        t: usize,
+        part: &Part,
+        context: &ContextRows,
+        cache: &PagedKvCache,
+        values: &DeviceArray<f32>,
+    ) -> Result<(), ModelError> {
+        let (cl, c) = (&self.client, &self.config);
+        let layout = RopeLayout {
+            tokens: t,
+            rows_per_token: c.num_attention_heads,
+            row_stride: c.qk_nope_head_dim + c.qk_rope_head_dim,
+            offset: c.qk_nope_head_dim,
+            rope_dim: c.qk_rope_head_dim,
+        };
+        self.launched(rope_inplace(
+            cl,
+            q,
+            layout,
+            &part.positions,
+            &self.inv_freq,
+            self.rope_scale,
+        ))?;
+        self.launched(mla_prefill_heads(
+            cl,
+            q,
+            cache,
+            &part.meta,
+            context,
+            &a.kv_b,
+            self.kv_b_shape,
+            self.softmax_scale,
+            values,
+            self.precision,
+        ))?;
         Ok(())
     }
 
@@ -471,7 +585,7 @@ impl<R: Runtime> GpuModel<R> {
         pool: &'a KvPool,
     ) -> Result<RankStep<'a, R>, ModelError> {
         let c = &self.config;
-        let plan = batch.plan(&self.client, c.vocab_size, pool)?;
+        let plan = self.plan(batch, pool)?;
         let len = plan.num_tokens * c.hidden_size;
         let residual = self.scratch(len);
         self.launched(embedding(

@@ -16,7 +16,7 @@ use std::sync::atomic::AtomicUsize;
 use cubecl::prelude::*;
 use kiln_core::model::ModelConfig;
 use kiln_core::rope::{cos_sin_scale, inv_freq, softmax_scale};
-use kiln_kernels::mla::{KvBShape, KvFormat, PagedKvCache};
+use kiln_kernels::mla::{KvBShape, KvFormat, PagedKvCache, PER_HEAD_MIN_Q_LEN};
 use kiln_kernels::moe::GateParams;
 use kiln_kernels::{DeviceArray, KernelError, Precision};
 
@@ -143,6 +143,9 @@ pub struct GpuModel<R: Runtime> {
     /// Device work in place of the all-reduces a tensor-parallel rank would run (one GPU
     /// serving one rank's shapes); `None`: the model is whole.
     all_reduce: Option<AllReduceStandIn>,
+    /// Requests of this many new tokens or more attend in MLA's per-head form where the
+    /// absorbed kernels are not the tensor-core ones (`None`: all absorbed).
+    per_head_from: Option<usize>,
 }
 
 impl<R: Runtime> GpuModel<R> {
@@ -282,12 +285,12 @@ impl<R: Runtime> GpuModel<R> {
             precision,
             launches: AtomicUsize::new(0),
             all_reduce: None,
+            per_head_from: Some(PER_HEAD_MIN_Q_LEN),
             config: c,
             client,
         }
     }
 
-    /// A KV pool for this model: `num_pages` pages of `page_size` tokens per layer.
     /// This model as one rank of tensor parallelism over `ranks` GPUs on one GPU: after
     /// attention and after the MLP of every layer it runs device work of the modelled
     /// time of the all-reduce a rank would wait for there (see `model::tp::all_reduce`).
@@ -296,6 +299,14 @@ impl<R: Runtime> GpuModel<R> {
         Ok(self)
     }
 
+    /// Requests of `from` new tokens or more in a step attend in MLA's per-head form
+    /// (`kiln_kernels::mla::mla_prefill_heads`), the rest absorbed; `None`: all absorbed.
+    /// Tensor-core devices stay absorbed: the per-head form has no tensor-core kernel yet.
+    pub fn set_per_head_from(&mut self, from: Option<usize>) {
+        self.per_head_from = from;
+    }
+
+    /// A KV pool for this model: `num_pages` pages of `page_size` tokens per layer.
     pub fn kv_pool(&self, num_pages: usize, page_size: usize, format: KvFormat) -> KvPool {
         let words = num_pages * page_size * format.words_per_row();
         let caches = (0..self.config.num_hidden_layers)
