@@ -8,6 +8,10 @@
 #   benches/gpu/overlap_ab.sh LAYERS KV "CONCURRENCIES" SECONDS SCALE
 #   e.g. benches/gpu/overlap_ab.sh 4 bf16 "1 4 16" 10 0.1
 #
+# Each server first runs a discarded pass at every concurrency, so kernels the batches'
+# shapes need are compiled before the measured pass (a first prefill of a new shape costs
+# seconds of NVRTC); CubeCL's compilation log (compile-<mode>.log) shows what still
+# compiled during the measured pass.
 # Results under $OUT/overlap-L<layers>-<kv>/ (bench-<on|off>-c<C>.json, metrics-<on|off>-c<C>.txt);
 # benches/gpu/overlap_report.py summarises.
 set -euo pipefail
@@ -21,10 +25,18 @@ base=(serve --backend cuda --port 8765 --synthetic kimi-k2.6 --layers "$layers" 
 for mode in on off; do
   args=("${base[@]}")
   if [ "$mode" = off ]; then args+=(--disable-overlap-schedule); fi
+  printf '[compilation.logger]\nlevel = "basic"\nfile = "%s"\n' "$(cd "$out" && pwd)/compile-$mode.log" > cubecl.toml
   .gpu/kiln "${args[@]}" > "$out/serve-$mode.out" 2> "$out/serve-$mode.log" &
   pid=$!
-  trap 'kill $pid 2>/dev/null || true' EXIT
+  trap 'kill $pid 2>/dev/null || true; rm -f cubecl.toml' EXIT
   for _ in $(seq 400); do curl -sf localhost:8765/health >/dev/null && break; sleep 0.5; done
+  for c in $sweep; do
+    .gpu/kiln bench --url http://127.0.0.1:8765 --sweep "$c" --duration "$duration" \
+      --scale "$scale" --think-scale 0 --max-token-id 40000 --quiet > /dev/null 2>&1
+  done
+  curl -s localhost:8765/metrics > "$out/metrics-$mode-warm.txt"
+  echo "$mode: $(wc -l < "$out/compile-$mode.log") compilation log lines after the warm-up" \
+    | tee -a "$out/compiled.txt"
   for c in $sweep; do
     .gpu/kiln bench --url http://127.0.0.1:8765 --sweep "$c" \
       --duration "$duration" --scale "$scale" --think-scale 0 --max-token-id 40000 --quiet \
@@ -32,5 +44,7 @@ for mode in on off; do
     curl -s localhost:8765/metrics > "$out/metrics-$mode-c$c.txt"
   done
   kill $pid; wait $pid 2>/dev/null || true
+  echo "$mode: $(wc -l < "$out/compile-$mode.log") after the measured pass" | tee -a "$out/compiled.txt"
   trap - EXIT
 done
+rm -f cubecl.toml

@@ -36,7 +36,9 @@ def main(d):
     print("|" + "---|" * 7)
     rows = {}
     for mode in ["on", "off"]:
-        before = {}
+        # Counters are cumulative from the server's start, its warm-up pass included.
+        warm = d / f"metrics-{mode}-warm.txt"
+        before = metrics(warm) if warm.exists() else {}
         for path in sorted(d.glob(f"bench-{mode}-c*.json"), key=lambda p: int(p.stem.split("-c")[1])):
             c = int(path.stem.split("-c")[1])
             p = json.loads(path.read_text())["points"][0]

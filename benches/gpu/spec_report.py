@@ -3,7 +3,8 @@
 (median) with speculation off and at each simulated accept length, the accept length the
 bench measured (completion tokens over SGLang's spec_verify_ct), and the speed-up over off;
 then, where the sweep kept /metrics after each concurrency, what the draft policy decided
-in each phase (kiln_spec_policy_steps_total by decision, this phase's steps only).
+in each phase (kiln_spec_policy_steps_total by decision, this phase's steps only, the
+warm-up pass's left out).
 
     benches/gpu/spec_report.py DIR [DIR...]
 """
@@ -59,7 +60,9 @@ def policy(dirs):
                 continue
             phases = sorted(d.glob(f"metrics-{m.group(1)}-c*.txt"),
                             key=lambda p: int(p.stem.rsplit("-c", 1)[1]))
-            before = dict.fromkeys(DECISIONS, 0.0)
+            # Counters are cumulative from the server's start, its warm-up pass included.
+            warm = d / f"metrics-{m.group(1)}-warm.txt"
+            before = decisions(warm) if warm.exists() else dict.fromkeys(DECISIONS, 0.0)
             for path in phases:
                 now = decisions(path)
                 c = path.stem.rsplit("-c", 1)[1]

@@ -36,6 +36,13 @@ for a in off $accepts; do
   for _ in $(seq 400); do curl -sf localhost:8765/health >/dev/null && break; sleep 0.5; done
   echo "accept $a: serving after $(( $(date +%s) - start )) s" | tee -a "$out/startup.txt"
   name=$([ "$a" = off ] && echo off || echo "a$a")
+  # A discarded pass at every concurrency first: the draft shapes' kernels compile on first
+  # use (seconds of NVRTC each), which a cold server would bill to the measured phase.
+  for c in $sweep; do
+    .gpu/kiln bench --url http://127.0.0.1:8765 --sweep "$c" --duration "$duration" \
+      --scale "$scale" --think-scale 0 --max-token-id 40000 --quiet > /dev/null 2>&1
+  done
+  curl -s localhost:8765/metrics > "$out/metrics-$name-warm.txt"
   # One kiln bench per concurrency, with /metrics after each (the draft policy's counters
   # by phase), then their points in one file.
   for c in $sweep; do
