@@ -410,3 +410,20 @@ pub fn mla_prefill_heads<R: Runtime>(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_causal_spans_attend_per_head_and_the_rest_absorbed() {
+        let from = Some(PER_HEAD_MIN_Q_LEN);
+        assert!(attends_per_head(PER_HEAD_MIN_Q_LEN, false, from));
+        assert!(attends_per_head(100_000, false, from));
+        assert!(!attends_per_head(PER_HEAD_MIN_Q_LEN - 1, false, from));
+        assert!(!attends_per_head(1, false, from), "decode stays absorbed");
+        assert!(!attends_per_head(5000, true, from), "draft trees stay absorbed");
+        assert!(!attends_per_head(5000, false, None), "off");
+        assert!(attends_per_head(1, false, Some(0)), "from 0: every causal request");
+    }
+}
