@@ -422,8 +422,14 @@ mod tests {
         assert!(attends_per_head(100_000, false, from));
         assert!(!attends_per_head(PER_HEAD_MIN_Q_LEN - 1, false, from));
         assert!(!attends_per_head(1, false, from), "decode stays absorbed");
-        assert!(!attends_per_head(5000, true, from), "draft trees stay absorbed");
+        assert!(
+            !attends_per_head(5000, true, from),
+            "draft trees stay absorbed"
+        );
         assert!(!attends_per_head(5000, false, None), "off");
-        assert!(attends_per_head(1, false, Some(0)), "from 0: every causal request");
+        assert!(
+            attends_per_head(1, false, Some(0)),
+            "from 0: every causal request"
+        );
     }
 }

@@ -5,6 +5,7 @@
 //! experts go through the grouped GEMM after a device-side dispatch; activations are f32,
 //! weights bf16 or NVFP4 as loaded. The MLA kernels fix `kv_lora_rank = 512` and
 //! `qk_rope_head_dim = 64` (DeepSeek-V3 and every Kimi K2): other values are refused.
+mod attention;
 mod batch;
 mod forward;
 mod host_kv;
