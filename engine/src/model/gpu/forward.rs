@@ -16,6 +16,11 @@ use kiln_kernels::{DeviceArray, KernelError};
 use super::batch::{Launched, Plan, Reads};
 use super::{Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, StepOutput};
 
+/// Largest expansion of context rows into per-head keys and values (f32) one step makes in
+/// the per-head form: WebGPU's usual largest buffer binding, 2 GiB (Kimi: 32,768 context
+/// rows; a longer prefix prefills absorbed until the per-head form splits its context).
+const MAX_EXPANDED_BYTES: usize = 2 << 30;
+
 impl<R: Runtime> GpuModel<R> {
     /// Runs one step: appends the batch's tokens to the pool and returns their logits,
     /// `[tokens, vocab]` in request order (empty for a step that samples on the device, [`Batch::sampling`]).
@@ -246,12 +251,17 @@ impl<R: Runtime> GpuModel<R> {
     }
 
     /// Lays `batch` out for `pool`, with the requests that attend per head split off where
-    /// this device takes the per-head form ([`GpuModel::set_per_head_from`]).
+    /// this device takes the per-head form ([`GpuModel::set_per_head_from`]) and their
+    /// expanded keys and values fit [`MAX_EXPANDED_BYTES`].
     pub(super) fn plan(&self, batch: &Batch, pool: &KvPool) -> Result<Plan, ModelError> {
-        let per_head = self.per_head_from.filter(|_| {
-            let format = pool.caches.first().map(|c| c.format);
-            !format.is_some_and(|f| mla::uses_tensor_cores(&self.client, f, self.precision))
-        });
+        let format = pool.caches.first().map(|c| c.format);
+        let tensor_cores =
+            format.is_some_and(|f| mla::uses_tensor_cores(&self.client, f, self.precision));
+        let s = self.kv_b_shape;
+        let row_bytes = s.heads * (s.nope + s.v) * 4;
+        let per_head = (self.per_head_from)
+            .filter(|_| !tensor_cores)
+            .map(|from| (from, MAX_EXPANDED_BYTES / row_bytes.max(1)));
         batch.plan(&self.client, self.config.vocab_size, pool, per_head)
     }
 
