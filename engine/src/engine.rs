@@ -26,6 +26,7 @@ use crate::model::Checkpoint;
 use crate::scheduler::{policy, Logprobs, Scheduler, SchedulerConfig, Scores, Step, Submission};
 use crate::speculative::SpecConfig;
 use kiln_core::model::ModelConfig;
+use kiln_core::sampling::SamplingRow;
 
 /// The weights the engine serves.
 pub enum ModelSource {
@@ -318,11 +319,13 @@ impl BackendVisitor for Runner {
     }
 }
 
-/// Runs a prefill and a decode step of one request on the pool's first pages before the
+/// Runs a prefill, a decode step, a draft tree and sampled steps (masked, fed from the step
+/// before, with log-probabilities) of one request on the pool's first pages before the
 /// server opens, so the first client does not wait while their kernels compile (0.4 s on
 /// llvmpipe, 14 s on the H200 for the embedded model); shapes that pick other kernel
-/// variants still compile on first use. The pages stay free in the scheduler: no request
-/// reads a KV row it has not written itself.
+/// variants (other GEMM paths by row count, the per-head prefill) still compile on first
+/// use, seconds each on CUDA. The pages stay free in the scheduler: no request reads a KV
+/// row it has not written itself.
 fn warm_up<R: Runtime>(
     model: &GpuModel<R>,
     pool: &KvPool,
@@ -355,6 +358,22 @@ fn warm_up<R: Runtime>(
     // A draft tree's attention (speculative decoding) compiles its own kernels.
     let tree = slice(vec![0, 0], prompt + 1, Some(vec![-1, 0]));
     model.step(&Batch::last_logits(vec![tree]), pool)?;
+    // Sampling on the device as served: a row under a grammar's mask, then a step that
+    // takes its input id from that one's draw (the overlapped schedule), with
+    // log-probabilities.
+    let sampled = |masks, from_previous, logprobs| Batch {
+        sampling: Some(vec![SamplingRow::greedy()]),
+        masks,
+        from_previous,
+        logprobs,
+        ..Batch::last_logits(vec![slice(vec![0], prompt + 1, None)])
+    };
+    let all_allowed = vec![(0, vec![u32::MAX; (vocab as usize).div_ceil(32)])];
+    let first = model.launch(&sampled(all_allowed, Vec::new(), None), pool, None)?;
+    let fed = sampled(Vec::new(), vec![(0, 0)], Some(1));
+    let second = model.launch(&fed, pool, first.sampled())?;
+    first.wait()?;
+    second.wait()?;
     tracing::info!(ms = start.elapsed().as_millis() as u64, "kernels warmed up");
     Ok(())
 }
