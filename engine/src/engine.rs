@@ -4,7 +4,8 @@
 //! device and the device never waits on a client. A client that drops its receiver is
 //! aborted before the next step and its pages are freed.
 //!
-//! Room for tensor parallelism: the loop is "schedule, run the step, complete"; with N
+//! The loop is "schedule, issue the step, complete the step before" (see `run` for the
+//! overlapped schedule). Room for tensor parallelism: with N
 //! shards the step becomes N shard steps issued in lockstep on the same `Batch` (one
 //! thread per GPU, all-reduce inside the forward pass), and only rank 0's logits are read.
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -11,7 +11,10 @@
 //! Host-side only: [`Scheduler::schedule`] returns a [`Step`] (a model [`Batch`], whose
 //! rows carry how each is sampled on the device), [`Scheduler::complete`] takes its tokens,
 //! or its rows of logits where a sampled or constrained request's draft needs them
-//! (verification weighs the whole distribution). Speculative decoding: a decoding request's
+//! (verification weighs the whole distribution). With the overlapped schedule,
+//! [`Scheduler::advance`] books a step as run before its tokens are known (placeholders the
+//! next step reads on the device) and `complete` fills them in. Speculative decoding: a
+//! decoding request's
 //! slice may end in a draft tree ([`Draft`]); `computed` then advances only by the accepted
 //! tokens whose cache rows are in place (the path `0, 1, 2, ..` of the tree) and the rest,
 //! accepted or not, are rewritten by the next step.
