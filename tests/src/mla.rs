@@ -202,6 +202,15 @@ fn store<R: Runtime>(client: &ComputeClient<R>, case: &MlaCase, rng: &mut Rng) -
     }
 }
 
+/// A report's dtype column for a KV format.
+fn kv_dtype(format: KvFormat) -> &'static str {
+    match format {
+        KvFormat::F32 => "f32 kv",
+        KvFormat::Bf16 => "bf16 kv",
+        KvFormat::Fp8 => "fp8 kv",
+    }
+}
+
 /// Runs the case on the device and against the reference.
 pub fn run_mla<R: Runtime>(
     client: &ComputeClient<R>,
@@ -280,11 +289,7 @@ pub fn run_mla<R: Runtime>(
         (AttnMode::Decode, true) => "mla_decode (tensor cores)",
         (AttnMode::Prefill, true) => "mla_prefill (tensor cores)",
     };
-    let dtype = match case.format {
-        KvFormat::F32 => "f32 kv",
-        KvFormat::Bf16 => "bf16 kv",
-        KvFormat::Fp8 => "fp8 kv",
-    };
+    let dtype = kv_dtype(case.format);
     let mut report = CaseReport::from_comparison(
         kernel,
         case.shape(),
@@ -365,11 +370,7 @@ pub fn run_mla_heads<R: Runtime>(
         }
     }
     let cmp = compare(&out.read(client), &reference.out, &allowed);
-    let dtype = match case.format {
-        KvFormat::F32 => "f32 kv",
-        KvFormat::Bf16 => "bf16 kv",
-        KvFormat::Fp8 => "fp8 kv",
-    };
+    let dtype = kv_dtype(case.format);
     Ok(CaseReport::from_comparison(
         "mla_prefill_heads",
         format!("{} nope={nope} v={v}", case.shape()),

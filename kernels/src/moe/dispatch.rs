@@ -239,6 +239,36 @@ fn gather_kernel<E: CubePrimitive>(
     }
 }
 
+/// Checks a row copy between `whole` (any number of rows of `cols`) and `picked` (a row per
+/// index) and returns its grid: a cube per index, `None` when there are none.
+fn row_grid<R: Runtime, E>(
+    client: &ComputeClient<R>,
+    (whole_what, whole): (&'static str, &DeviceArray<E>),
+    (picked_what, picked): (&'static str, &DeviceArray<E>),
+    indices: &DeviceArray<u32>,
+    cols: usize,
+) -> Result<Option<CubeCount>, KernelError> {
+    if cols == 0 || !whole.len().is_multiple_of(cols) {
+        return Err(KernelError::Alignment {
+            what: whole_what,
+            value: whole.len(),
+            multiple: cols.max(1),
+        });
+    }
+    check_len(picked_what, picked, indices.len() * cols)?;
+    let max = client.properties().hardware.max_cube_count.0 as usize;
+    if indices.len() > max {
+        return Err(KernelError::Range {
+            what: picked_what,
+            value: indices.len(),
+            min: 0,
+            max,
+        });
+    }
+    let rows = indices.len() as u32;
+    Ok((rows > 0).then(|| CubeCount::Static(rows, (cols as u32).div_ceil(UNITS), 1)))
+}
+
 /// `out[r, :] = x[source[r], :]` for rows of `cols` values of any element type (f32
 /// activations; u32 words of KV pages, `mla::gather_pages`).
 pub fn gather_rows<R: Runtime, E: CubePrimitive + CubeElement>(
@@ -248,31 +278,21 @@ pub fn gather_rows<R: Runtime, E: CubePrimitive + CubeElement>(
     source: &DeviceArray<u32>,
     out: &DeviceArray<E>,
 ) -> Result<(), KernelError> {
-    if cols == 0 || !x.len().is_multiple_of(cols) {
-        return Err(KernelError::Alignment {
-            what: "rows of x",
-            value: x.len(),
-            multiple: cols.max(1),
-        });
-    }
-    check_len("gathered rows", out, source.len() * cols)?;
-    let max = client.properties().hardware.max_cube_count.0 as usize;
-    if source.len() > max {
-        return Err(KernelError::Range {
-            what: "gathered rows",
-            value: source.len(),
-            min: 0,
-            max,
-        });
-    }
-    if source.is_empty() {
+    let Some(count) = row_grid(
+        client,
+        ("rows of x", x),
+        ("gathered rows", out),
+        source,
+        cols,
+    )?
+    else {
         return Ok(());
-    }
+    };
     // SAFETY: shapes validated; sources are trusted to index rows of `x`.
     unsafe {
         gather_kernel::launch_unchecked::<E, R>(
             client,
-            CubeCount::Static(source.len() as u32, (cols as u32).div_ceil(UNITS), 1),
+            count,
             CubeDim::new_1d(UNITS),
             x.arg(),
             source.arg(),
@@ -308,31 +328,21 @@ pub fn scatter_rows<R: Runtime, E: CubePrimitive + CubeElement>(
     dest: &DeviceArray<u32>,
     out: &DeviceArray<E>,
 ) -> Result<(), KernelError> {
-    if cols == 0 || !out.len().is_multiple_of(cols) {
-        return Err(KernelError::Alignment {
-            what: "rows of out",
-            value: out.len(),
-            multiple: cols.max(1),
-        });
-    }
-    check_len("scattered rows", x, dest.len() * cols)?;
-    let max = client.properties().hardware.max_cube_count.0 as usize;
-    if dest.len() > max {
-        return Err(KernelError::Range {
-            what: "scattered rows",
-            value: dest.len(),
-            min: 0,
-            max,
-        });
-    }
-    if dest.is_empty() {
+    let Some(count) = row_grid(
+        client,
+        ("rows of out", out),
+        ("scattered rows", x),
+        dest,
+        cols,
+    )?
+    else {
         return Ok(());
-    }
+    };
     // SAFETY: shapes validated; destinations are trusted to index rows of `out`.
     unsafe {
         scatter_kernel::launch_unchecked::<E, R>(
             client,
-            CubeCount::Static(dest.len() as u32, (cols as u32).div_ceil(UNITS), 1),
+            count,
             CubeDim::new_1d(UNITS),
             x.arg(),
             dest.arg(),
