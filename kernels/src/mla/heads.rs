@@ -20,8 +20,8 @@
 use cubecl::prelude::*;
 
 use super::absorb::KvBShape;
-use super::kernel::{kv_row, kv_value};
-use super::{AttnMetadata, KvFormat, PagedKvCache, CHUNK, KV_DIM, V_DIM};
+use super::kernel::{chunk_weights, kv_row, kv_value, NEG_BIG, UNROLL};
+use super::{validate_batch, AttnMetadata, KvFormat, PagedKvCache, CHUNK, KV_DIM, V_DIM};
 use crate::buffer::{check_index_space, check_len};
 use crate::gemm::{bf16_gemm, Bf16Weights};
 use crate::{DeviceArray, KernelError, Precision};
@@ -32,8 +32,6 @@ const ROPE: usize = KV_DIM - V_DIM;
 const ROWS_PER_CUBE: u32 = 16;
 /// Query tokens per cube of the attention.
 const TILE: u32 = 4;
-/// Stands for minus infinity: WGSL has no infinite literals.
-const NEG_BIG: f32 = -3.0e38;
 /// Fewest new tokens of a request for which the engine attends in the per-head form by
 /// default (`GpuModel::set_per_head_from`): above the break-even (see the module's notes,
 /// about 350 for Kimi's dims), where the form saves most of the attention's products.
@@ -207,26 +205,9 @@ fn heads_kernel(
             }
             sync_cube();
 
-            // 2. Chunk maximum per query; rescale the running sums.
+            // 2-3. Chunk maximum per query, scores -> unnormalised weights.
             let mut scale_old = Array::<f32>::new(TILE as usize);
-            #[unroll]
-            for i in 0..tile {
-                let mut m = run_max[i];
-                for t in 0..chunk {
-                    m = max(m, ps[i * chunk + t]);
-                }
-                scale_old[i] = (run_max[i] - m).exp();
-                run_max[i] = m;
-            }
-            sync_cube();
-
-            // 3. Scores -> unnormalised weights, each unit its own slot.
-            #[unroll]
-            for i in 0..tile {
-                let s = ps[i * chunk + unit];
-                ps[i * chunk + unit] = select(s > NEG_BIG, (s - run_max[i]).exp(), 0.0);
-            }
-            sync_cube();
+            chunk_weights(&mut ps, &mut run_max, &mut scale_old, unit, tile, chunk);
 
             // 4. Each unit's value dimensions over the chunk's positions.
             #[unroll]
@@ -237,23 +218,30 @@ fn heads_kernel(
                     acc[i * dims_per_unit + dd] *= scale_old[i];
                 }
             }
+            // In trips of UNROLL positions: llvmpipe caps an invocation's loop trips.
             let rows_here = min(chunk, last_pos + 1 - c * chunk);
-            for t in 0..rows_here {
-                let value = ((kv_first + c * chunk + t) * heads + head) * kv_width + nope;
+            for t0 in range_stepped(0, rows_here, UNROLL) {
                 #[unroll]
-                for dd in 0..dims_per_unit {
-                    let e = unit + dd * chunk;
-                    if e < cfg.v as usize {
-                        let v = expanded[value + e];
+                for tk in 0..UNROLL {
+                    let t = t0 + tk;
+                    if t < rows_here {
+                        let value = ((kv_first + c * chunk + t) * heads + head) * kv_width + nope;
+                        #[unroll]
+                        for dd in 0..dims_per_unit {
+                            let e = unit + dd * chunk;
+                            if e < cfg.v as usize {
+                                let v = expanded[value + e];
+                                #[unroll]
+                                for i in 0..tile {
+                                    acc[i * dims_per_unit + dd] += ps[i * chunk + t] * v;
+                                }
+                            }
+                        }
                         #[unroll]
                         for i in 0..tile {
-                            acc[i * dims_per_unit + dd] += ps[i * chunk + t] * v;
+                            run_sum[i] += ps[i * chunk + t];
                         }
                     }
-                }
-                #[unroll]
-                for i in 0..tile {
-                    run_sum[i] += ps[i * chunk + t];
                 }
             }
             sync_cube();
@@ -293,12 +281,8 @@ pub fn mla_prefill_heads<R: Runtime>(
     out: &DeviceArray<f32>,
     precision: Precision,
 ) -> Result<(), KernelError> {
-    let max = client.properties().hardware.max_cube_count;
+    validate_batch(client, shape.heads, kv, meta)?;
     let ranges = [
-        ("heads", shape.heads, max.1 as usize),
-        ("batch", meta.batch, max.2 as usize),
-        ("page_size", kv.page_size, 1 << 16),
-        ("max_q_len", meta.max_q_len, max.0 as usize),
         ("nope (per-head keys)", shape.nope, 256),
         ("v (per-head values)", shape.v, 256),
         ("context rows", context.rows.max(1), u32::MAX as usize),
@@ -321,32 +305,20 @@ pub fn mla_prefill_heads<R: Runtime>(
             max: 0,
         });
     }
+    let max_x = client.properties().hardware.max_cube_count.0;
     let rows_per_position = (meta.max_kv_len as u32).div_ceil(ROWS_PER_CUBE);
-    if rows_per_position > max.0 {
+    if rows_per_position > max_x {
         return Err(KernelError::Range {
             what: "max_kv_len (per-head read-out)",
             value: meta.max_kv_len,
             min: 1,
-            max: (max.0 * ROWS_PER_CUBE) as usize,
+            max: (max_x * ROWS_PER_CUBE) as usize,
         });
     }
     let (heads, kv_width) = (shape.heads, shape.nope + shape.v);
-    check_len(
-        "KV cache (u32 words)",
-        &kv.data,
-        kv.num_pages * kv.page_size * kv.format.words_per_row(),
-    )?;
-    check_len("cu_q_lens", &meta.cu_q_lens, meta.batch + 1)?;
-    check_len("kv_lens", &meta.kv_lens, meta.batch)?;
     check_len("cu_kv_lens", &context.cu_kv_lens, meta.batch + 1)?;
-    check_len(
-        "block_table",
-        &meta.block_table,
-        meta.batch * meta.max_blocks,
-    )?;
     check_len("queries", q, meta.num_tokens * heads * (shape.nope + ROPE))?;
     check_len("output", out, meta.num_tokens * heads * shape.v)?;
-    check_index_space("KV cache bytes", kv.data.len() * 4)?;
     check_index_space("expanded keys and values", context.rows * heads * kv_width)?;
     let latent = DeviceArray::<f32>::uninit(client, context.rows * V_DIM);
     let rope = DeviceArray::<f32>::uninit(client, context.rows * ROPE);

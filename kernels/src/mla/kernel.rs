@@ -23,11 +23,11 @@ pub struct MlaConfig {
 }
 
 /// Stands for minus infinity: WGSL has no infinite literals.
-const NEG_BIG: f32 = -3.0e38;
+pub(super) const NEG_BIG: f32 = -3.0e38;
 /// Iterations of the per-chunk loops written out per loop trip: few trips per chunk, as
 /// some drivers cap the loop trips of a whole invocation (llvmpipe: 65,535 across all
 /// loops, which at one trip per dimension ended a 16-head decode near 5,000 positions).
-const UNROLL: usize = 16;
+pub(super) const UNROLL: usize = 16;
 // The chunk's maximum reads whole trips of UNROLL scores.
 const _: () = assert!((super::CHUNK as usize).is_multiple_of(UNROLL));
 
@@ -130,29 +130,9 @@ pub fn mla_kernel(
             }
             sync_cube();
 
-            // 2. Chunk maximum per query (every unit computes it, from shared memory).
+            // 2-3. Chunk maximum per query, scores -> unnormalised weights.
             let mut scale_old = Array::<f32>::new(comptime!(cfg.tile as usize));
-            #[unroll]
-            for i in 0..tile {
-                let mut m = run_max[i];
-                for t0 in range_stepped(0, chunk, UNROLL) {
-                    #[unroll]
-                    for tk in 0..UNROLL {
-                        m = max(m, ps[i * chunk + t0 + tk]);
-                    }
-                }
-                scale_old[i] = (run_max[i] - m).exp();
-                run_max[i] = m;
-            }
-            sync_cube();
-
-            // 3. Scores -> unnormalised weights, each unit its own slot.
-            #[unroll]
-            for i in 0..tile {
-                let s = ps[i * chunk + unit];
-                ps[i * chunk + unit] = select(s > NEG_BIG, (s - run_max[i]).exp(), 0.0);
-            }
-            sync_cube();
+            chunk_weights(&mut ps, &mut run_max, &mut scale_old, unit, tile, chunk);
 
             // 4. Accumulate this unit's output dimensions over the chunk's rows.
             #[unroll]
@@ -199,6 +179,41 @@ pub fn mla_kernel(
             }
         }
     }
+}
+
+/// Steps 2-3 of a KV chunk in the portable kernels (absorbed and per-head): each of the
+/// `tile` queries' chunk maximum over its `chunk` scores in `ps` goes into `run_max` and
+/// the factor its running sums are rescaled by into `scale_old` (every unit computes them,
+/// from shared memory, in trips of [`UNROLL`]); then this unit's own score slot becomes
+/// its unnormalised weight.
+#[cube]
+pub(super) fn chunk_weights(
+    ps: &mut SharedMemory<f32>,
+    run_max: &mut Array<f32>,
+    scale_old: &mut Array<f32>,
+    unit: usize,
+    #[comptime] tile: usize,
+    #[comptime] chunk: usize,
+) {
+    #[unroll]
+    for i in 0..tile {
+        let mut m = run_max[i];
+        for t0 in range_stepped(0, chunk, UNROLL) {
+            #[unroll]
+            for tk in 0..UNROLL {
+                m = max(m, ps[i * chunk + t0 + tk]);
+            }
+        }
+        scale_old[i] = (run_max[i] - m).exp();
+        run_max[i] = m;
+    }
+    sync_cube();
+    #[unroll]
+    for i in 0..tile {
+        let s = ps[i * chunk + unit];
+        ps[i * chunk + unit] = select(s > NEG_BIG, (s - run_max[i]).exp(), 0.0);
+    }
+    sync_cube();
 }
 
 /// Cache row holding position `pos` of the request whose block table starts at `table`.

@@ -312,6 +312,23 @@ fn validate<R: Runtime>(
     meta: &AttnMetadata,
     out: &DeviceArray<f32>,
 ) -> Result<(), KernelError> {
+    validate_batch(client, heads, kv, meta)?;
+    check_index_space("query elements", meta.num_tokens * heads * KV_DIM)?;
+    check_len("queries", q, meta.num_tokens * heads * KV_DIM)?;
+    if let Some(masks) = &meta.tree_masks {
+        check_len("tree masks", masks, meta.num_tokens)?;
+    }
+    check_len("output", out, meta.num_tokens * heads * V_DIM)
+}
+
+/// Checks a batch's metadata and cache against the grid both attention forms launch (a
+/// cube row per query tile, head and request) and against each other.
+fn validate_batch<R: Runtime>(
+    client: &ComputeClient<R>,
+    heads: usize,
+    kv: &PagedKvCache,
+    meta: &AttnMetadata,
+) -> Result<(), KernelError> {
     let max = client.properties().hardware.max_cube_count;
     let ranges = [
         ("heads", heads, max.1 as usize),
@@ -344,13 +361,7 @@ fn validate<R: Runtime>(
         meta.batch * meta.max_blocks,
     )?;
     // The fp8 layout is addressed by byte.
-    check_index_space("KV cache bytes", kv.data.len() * 4)?;
-    check_index_space("query elements", meta.num_tokens * heads * KV_DIM)?;
-    check_len("queries", q, meta.num_tokens * heads * KV_DIM)?;
-    if let Some(masks) = &meta.tree_masks {
-        check_len("tree masks", masks, meta.num_tokens)?;
-    }
-    check_len("output", out, meta.num_tokens * heads * V_DIM)
+    check_index_space("KV cache bytes", kv.data.len() * 4)
 }
 
 /// Launches without validation: trusts every buffer to match `heads` and `meta`, the
