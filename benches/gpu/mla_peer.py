@@ -1,6 +1,7 @@
 """The PyTorch peers of kiln's MLA kernels, on the same GPU. Prints tables and writes JSON
 to argv[1]; with argv[2] (the `mla_decode` JSON of the same run) it also prints kiln's time
-for each decode shape beside the peer's, and their ratio.
+for each decode shape beside the peer's, and their ratio. `mla_peer.py prefill OUT.json
+[MLA_PREFILL.json]` runs the prefill points alone, beside `mla_prefill`'s forms.
 
 Prefill/extend: SDPA (bf16, causal) on the unabsorbed problem kiln's absorbed kernel
 replaces (Kimi K2: 64 heads, q/k head dim 128 + 64 rope = 192, v 128), as SGLang and vLLM
@@ -118,12 +119,33 @@ def decode_point(heads, batch, ctx):
     }
 
 
+def prefill_points(kiln_json=None):
+    """SDPA's prefill points; beside each, kiln's forms from `mla_prefill`'s JSON of the
+    same run (ratio: SDPA's ms over kiln's, so 1.0 is parity and more is faster)."""
+    prefill = [point(q, c) for q, c in [(8192, 8192), (8192, 32768)]]
+    kiln = []
+    if kiln_json:
+        with open(kiln_json) as f:
+            kiln = json.load(f)
+    print(f"{'q':>6} {'ctx':>6} {'SDPA ms':>9} {'TFLOP/s':>8}   kiln form: ms (x SDPA speed)")
+    for p in prefill:
+        forms = [k for k in kiln if (k["q_len"], k["context"]) == (p["q_len"], p["context"])]
+        for k in forms:
+            p[k["form"]] = {"ms": k["ms"], "x_sdpa": p["ms"] / k["ms"]}
+        tail = "  ".join(f"{k['form']}: {k['ms']:.2f} ({p['ms'] / k['ms']:.2f}x)" for k in forms)
+        print(f"{p['q_len']:>6} {p['context']:>6} {p['ms']:>9.3f} {p['tflops']:>8.1f}   {tail}")
+    return prefill
+
+
 def main():
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    prefill = [point(q, c) for q, c in [(8192, 8192), (8192, 32768)]]
-    print(f"{'q':>6} {'ctx':>6} {'ms':>9} {'TFLOP/s':>8}")
-    for p in prefill:
-        print(f"{p['q_len']:>6} {p['context']:>6} {p['ms']:>9.3f} {p['tflops']:>8.1f}")
+    if sys.argv[1:2] == ["prefill"]:
+        # `mla_peer.py prefill OUT.json [MLA_PREFILL.json]`: the prefill points alone.
+        prefill = prefill_points(sys.argv[3] if len(sys.argv) > 3 else None)
+        with open(sys.argv[2], "w") as f:
+            json.dump({"prefill": prefill}, f, indent=2)
+        return
+    prefill = prefill_points()
     decode = [decode_point(*shape) for shape in DECODE_SHAPES]
     kiln = {}
     if len(sys.argv) > 2:

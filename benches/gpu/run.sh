@@ -26,6 +26,9 @@ bench() {
   .gpu/moe_grouped "$out/moe_grouped.json" 2>&1 | tee "$out/moe_grouped.log"
   .gpu/mla_decode "$out/mla_decode.json" 2>&1 | tee "$out/mla_decode.log"
   python3 benches/gpu/mla_peer.py "$out/mla_peer.json" "$out/mla_decode.json" 2>&1 | tee "$out/mla_peer.log"
+  .gpu/mla_prefill "$out/mla_prefill.json" 2>&1 | tee "$out/mla_prefill.log"
+  python3 benches/gpu/mla_peer.py prefill "$out/mla_peer_prefill.json" "$out/mla_prefill.json" 2>&1 \
+    | tee "$out/mla_peer_prefill.log"
   .gpu/tree_verify "$out/tree_verify.json" 2>&1 | tee "$out/tree_verify.log"
   .gpu/sample "$out/sample.json" 2>&1 | tee "$out/sample.log"
   python3 benches/gpu/sample_peer.py "$out/sample_peer.json" "$out/sample.json" 2>&1 | tee "$out/sample_peer.log"
@@ -40,7 +43,7 @@ case "${1:-}" in
     cp "$(test_exe kiln hf_conformance)" .gpu/hf_conformance
     cp target/cuda/release/kiln target/cuda/release/layer_decode target/cuda/release/gemm_peer \
       target/cuda/release/gemm_decode target/cuda/release/moe_grouped \
-      target/cuda/release/mla_decode target/cuda/release/tree_verify target/cuda/release/sample .gpu/
+      target/cuda/release/mla_decode target/cuda/release/mla_prefill target/cuda/release/tree_verify target/cuda/release/sample .gpu/
     strip .gpu/*
     ls -la .gpu
     ;;

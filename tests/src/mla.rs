@@ -309,6 +309,7 @@ pub fn run_mla_heads<R: Runtime>(
     case: &MlaCase,
     nope: usize,
     v: usize,
+    precision: Precision,
 ) -> Result<CaseReport, KernelError> {
     let mut rng = Rng::new(case.seed);
     let Stored {
@@ -336,7 +337,6 @@ pub fn run_mla_heads<R: Runtime>(
     let context = ContextRows::new(client, &case.kv_lens);
     let out = DeviceArray::filled(client, tokens * case.heads * v, f32::NAN);
     let q_dev = DeviceArray::upload(client, &q);
-    let precision = Precision::Exact;
     mla::mla_prefill_heads(
         client, &q_dev, &cache, &meta, &context, &kv_b, shape, scale, &out, precision,
     )?;
@@ -350,7 +350,15 @@ pub fn run_mla_heads<R: Runtime>(
     let reference = mla_attention_heads(&q, &seen, &batch, &kvb, scale);
     // Keys and values are f32 dots of 512 bf16 weights (exact) with the decoded latent:
     // `gamma(512)` of their magnitudes, which the scores see through `nope` more products
-    // (the head dim below) and the output takes as is (the last term).
+    // (the head dim below) and the output takes as is (the `gamma` term). The tensor-core
+    // kernel rounds queries, keys, values and weights to bf16: operands at bf16, and the
+    // values' rounding once more of their magnitude.
+    let tensor_cores = mla::heads_on_tensor_cores(client, case.format, precision, shape);
+    let (operands, value_rounding) = if tensor_cores {
+        (DType::BF16, DType::BF16.unit_roundoff())
+    } else {
+        (DType::F32, 0.0)
+    };
     let mut allowed = Vec::with_capacity(reference.out.len());
     let mut t = 0;
     for (&q_len, &kv_len) in case.q_lens.iter().zip(&case.kv_lens) {
@@ -361,10 +369,10 @@ pub fn run_mla_heads<R: Runtime>(
                 kv_len,
                 reference.score_magnitude[t],
                 value,
+                operands,
                 DType::F32,
                 DType::F32,
-                DType::F32,
-            ) + gamma(KV_LORA_RANK + 2, DType::F32) * value;
+            ) + (gamma(KV_LORA_RANK + 2, DType::F32) + value_rounding) * value;
             allowed.extend(std::iter::repeat_n(bound, v));
             t += 1;
         }
@@ -373,9 +381,12 @@ pub fn run_mla_heads<R: Runtime>(
     let dtype = kv_dtype(case.format);
     Ok(CaseReport::from_comparison(
         "mla_prefill_heads",
-        format!("{} nope={nope} v={v}", case.shape()),
+        format!("{} nope={nope} v={v} {precision:?}", case.shape()),
         dtype,
-        "attention per head (f32)".to_string(),
+        format!(
+            "attention per head ({})",
+            if tensor_cores { "bf16 mma" } else { "f32" }
+        ),
         &cmp,
     ))
 }

@@ -115,8 +115,9 @@ pub struct ServeArgs {
     disable_overlap_schedule: bool,
     /// Requests prefilling at least N new tokens in a step attend in MLA's per-head form
     /// (context expanded by kv_b_proj, 192/128-wide heads: fewer products than the
-    /// absorbed form for long spans), the rest absorbed; 0: always absorbed. Devices whose
-    /// absorbed kernels run on tensor cores (CUDA at bf16) stay absorbed for now.
+    /// absorbed form for long spans), the rest absorbed; 0: always absorbed. On tensor
+    /// cores (CUDA at bf16) both forms run there; a model whose head dims the per-head
+    /// tensor-core kernel does not take stays absorbed.
     #[arg(long, default_value_t = PER_HEAD_MIN_Q_LEN, value_name = "N")]
     mla_per_head_from: usize,
 }

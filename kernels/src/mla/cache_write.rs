@@ -22,7 +22,7 @@ use crate::{DeviceArray, KernelError};
 
 /// f32 -> bf16 bits, round to nearest even (inputs are finite).
 #[cube]
-fn bf16_bits(x: f32) -> u32 {
+pub(super) fn bf16_bits(x: f32) -> u32 {
     let bits = u32::reinterpret(x);
     (bits + 0x7fff + ((bits >> 16) & 1)) >> 16
 }

@@ -12,14 +12,17 @@
 //! whole context. Decode and draft trees stay absorbed.
 //!
 //! The attention kernel is the portable one's pattern (`kernel.rs`): a cube per (query
-//! tile, head, request), a unit per position of a 64-position chunk, online softmax. No
-//! tensor-core variant yet. The engine routes requests of [`PER_HEAD_MIN_Q_LEN`] new tokens
+//! tile, head, request), a unit per position of a 64-position chunk, online softmax. Where
+//! [`heads_on_tensor_cores`] holds (CUDA, bf16 or fp8 KV, `Bf16` precision), the expanded
+//! keys and values are rounded to bf16 and attended by `heads_mma.rs`'s tensor-core
+//! kernel instead. The engine routes requests of [`PER_HEAD_MIN_Q_LEN`] new tokens
 //! or more here and the rest of the same step (decodes, short chunks) to the absorbed
 //! kernels ([`attends_per_head`]; their queries gathered per form, their values scattered
 //! back).
 use cubecl::prelude::*;
 
 use super::absorb::KvBShape;
+use super::heads_mma::{self, heads_on_tensor_cores};
 use super::kernel::{chunk_weights, kv_row, kv_value, NEG_BIG, UNROLL};
 use super::{validate_batch, AttnMetadata, KvFormat, PagedKvCache, CHUNK, KV_DIM, V_DIM};
 use crate::buffer::{check_index_space, check_len};
@@ -320,6 +323,15 @@ pub fn mla_prefill_heads<R: Runtime>(
     check_len("queries", q, meta.num_tokens * heads * (shape.nope + ROPE))?;
     check_len("output", out, meta.num_tokens * heads * shape.v)?;
     check_index_space("expanded keys and values", context.rows * heads * kv_width)?;
+    let tensor_cores = heads_on_tensor_cores(client, kv.format, precision, shape);
+    if tensor_cores && context.rows > max_x as usize {
+        return Err(KernelError::Range {
+            what: "context rows (per-head pack)",
+            value: context.rows,
+            min: 1,
+            max: max_x as usize,
+        });
+    }
     let latent = DeviceArray::<f32>::uninit(client, context.rows * V_DIM);
     let rope = DeviceArray::<f32>::uninit(client, context.rows * ROPE);
     // SAFETY: lengths checked above; the metadata's device arrays are trusted.
@@ -354,6 +366,21 @@ pub fn mla_prefill_heads<R: Runtime>(
         &expanded,
         precision,
     )?;
+    if tensor_cores {
+        let packed = heads_mma::pack(client, &expanded, &rope, context.rows, shape);
+        heads_mma::attend(
+            client,
+            q,
+            &packed,
+            meta,
+            &context.cu_kv_lens,
+            context.rows,
+            shape,
+            softmax_scale,
+            out,
+        );
+        return Ok(());
+    }
     let cfg = HeadsConfig {
         nope: shape.nope as u32,
         v: shape.v as u32,

@@ -71,15 +71,43 @@ fn prefill<R: Runtime>(client: &ComputeClient<R>) {
 }
 
 /// The per-head form over the same ragged batches, page sizes and formats as the prefill,
-/// with head dims of Kimi's (nope 128, v 128) and odd smaller ones (v past one unit per
-/// value dimension, and short of it).
+/// with head dims of Kimi's (nope 128, v 128), others the tensor-core kernel takes (32/48:
+/// 6 k-steps, 3 pairs of value n-tiles) and odd smaller ones it does not (v past one unit
+/// per value dimension, and short of it), at both precisions (on CUDA, bf16 or fp8 KV at
+/// `Bf16` is the tensor-core kernel).
 fn per_head_prefill<R: Runtime>(client: &ComputeClient<R>) {
-    let dims = prop::sample::select(vec![(128usize, 128usize), (16, 72), (8, 5)]);
+    let dims = prop::sample::select(vec![(128usize, 128usize), (32, 48), (16, 72), (8, 5)]);
+    let precisions = prop::sample::select(vec![Precision::Exact, Precision::Bf16]);
     reports_pass(
-        16,
-        &(cases(AttnMode::Prefill, 150), dims),
-        |(case, (nope, v))| run_mla_heads(client, case, *nope, *v),
+        24,
+        &(cases(AttnMode::Prefill, 150), dims, precisions),
+        |(case, (nope, v), precision)| run_mla_heads(client, case, *nope, *v, *precision),
     );
+}
+
+/// Kimi's per-head shape over several 64-token query blocks and 64-position tiles: a
+/// prefill from nothing, an extend over a prefix that is not a multiple of the tile, and
+/// a request shorter than a block beside them, both cache formats.
+fn per_head_prefill_blocks<R: Runtime>(client: &ComputeClient<R>) {
+    for (q_lens, kv_lens, format) in [
+        (vec![300, 70, 1], vec![300, 1000, 5], KvFormat::Bf16),
+        (vec![129, 64], vec![333, 64], KvFormat::Fp8),
+    ] {
+        let case = MlaCase {
+            heads: 4,
+            page_size: 64,
+            q_lens,
+            kv_lens,
+            format,
+            mode: AttnMode::Prefill,
+            seed: 13,
+            huge_tile: false,
+            tree: false,
+        };
+        run_mla_heads(client, &case, 128, 128, Precision::Bf16)
+            .unwrap()
+            .assert_passed();
+    }
 }
 
 /// Draft trees as the last queries of each request (random shapes, up to 32 nodes, after
@@ -583,6 +611,7 @@ kiln_backends::backend_tests! {
     decode,
     prefill,
     per_head_prefill,
+    per_head_prefill_blocks,
     trees,
     kimi_trees,
     kimi_shapes,

@@ -16,9 +16,10 @@ use kiln_kernels::{DeviceArray, KernelError};
 use super::batch::{Launched, Plan, Reads};
 use super::{Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, StepOutput};
 
-/// Largest expansion of context rows into per-head keys and values (f32) one step makes in
-/// the per-head form: WebGPU's usual largest buffer binding, 2 GiB (Kimi: 32,768 context
-/// rows; a longer prefix prefills absorbed until the per-head form splits its context).
+/// Largest expansion of context rows into per-head keys and values (f32, plus their bf16
+/// copy on tensor cores) one step makes in the per-head form: WebGPU's usual largest
+/// buffer binding, 2 GiB (Kimi: 32,768 context rows, 20,164 on tensor cores; a longer
+/// prefix prefills absorbed until the per-head form splits its context).
 const MAX_EXPANDED_BYTES: usize = 2 << 30;
 
 impl<R: Runtime> GpuModel<R> {
@@ -252,15 +253,25 @@ impl<R: Runtime> GpuModel<R> {
 
     /// Lays `batch` out for `pool`, with the requests that attend per head split off where
     /// this device takes the per-head form ([`GpuModel::set_per_head_from`]) and their
-    /// expanded keys and values fit [`MAX_EXPANDED_BYTES`].
+    /// expanded keys and values fit [`MAX_EXPANDED_BYTES`]. Where the absorbed kernels run
+    /// on tensor cores, the per-head form must too (`mla::heads_on_tensor_cores`): the
+    /// portable per-head kernel would be slower than the absorbed tensor-core one.
     pub(super) fn plan(&self, batch: &Batch, pool: &KvPool) -> Result<Plan, ModelError> {
-        let format = pool.caches.first().map(|c| c.format);
-        let tensor_cores =
-            format.is_some_and(|f| mla::uses_tensor_cores(&self.client, f, self.precision));
         let s = self.kv_b_shape;
-        let row_bytes = s.heads * (s.nope + s.v) * 4;
+        let format = pool.caches.first().map(|c| c.format);
+        let (absorbed_tc, heads_tc) = format.map_or((false, false), |f| {
+            (
+                mla::uses_tensor_cores(&self.client, f, self.precision),
+                mla::heads_on_tensor_cores(&self.client, f, self.precision, s),
+            )
+        });
+        // f32 expansion, and its bf16 copy for the tensor cores.
+        let mut row_bytes = s.heads * (s.nope + s.v) * 4;
+        if heads_tc {
+            row_bytes += s.heads * (s.nope + 64 + s.v) * 2;
+        }
         let per_head = (self.per_head_from)
-            .filter(|_| !tensor_cores)
+            .filter(|_| !absorbed_tc || heads_tc)
             .map(|from| (from, MAX_EXPANDED_BYTES / row_bytes.max(1)));
         batch.plan(&self.client, self.config.vocab_size, pool, per_head)
     }

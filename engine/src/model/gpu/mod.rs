@@ -144,8 +144,8 @@ pub struct GpuModel<R: Runtime> {
     /// Device work in place of the all-reduces a tensor-parallel rank would run (one GPU
     /// serving one rank's shapes); `None`: the model is whole.
     all_reduce: Option<AllReduceStandIn>,
-    /// Requests of this many new tokens or more attend in MLA's per-head form where the
-    /// absorbed kernels are not the tensor-core ones (`None`: all absorbed).
+    /// Requests of this many new tokens or more attend in MLA's per-head form (`None`: all
+    /// absorbed); see `plan` for where the device keeps them absorbed.
     per_head_from: Option<usize>,
 }
 
@@ -302,7 +302,8 @@ impl<R: Runtime> GpuModel<R> {
 
     /// Requests of `from` new tokens or more in a step attend in MLA's per-head form
     /// (`kiln_kernels::mla::mla_prefill_heads`), the rest absorbed; `None`: all absorbed.
-    /// Tensor-core devices stay absorbed: the per-head form has no tensor-core kernel yet.
+    /// Where the absorbed kernels run on tensor cores, only shapes the per-head tensor-core
+    /// kernel takes attend per head (`kiln_kernels::mla::heads_on_tensor_cores`).
     pub fn set_per_head_from(&mut self, from: Option<usize>) {
         self.per_head_from = from;
     }
