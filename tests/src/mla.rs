@@ -310,6 +310,7 @@ pub fn run_mla_heads<R: Runtime>(
     nope: usize,
     v: usize,
     precision: Precision,
+    chunk_rows: usize,
 ) -> Result<CaseReport, KernelError> {
     let mut rng = Rng::new(case.seed);
     let Stored {
@@ -334,7 +335,7 @@ pub fn run_mla_heads<R: Runtime>(
         v,
     };
     let scale = softmax_scale(192, &YarnConfig::kimi_k2()) as f32;
-    let context = ContextRows::new(client, &case.kv_lens);
+    let context = ContextRows::new(client, &case.kv_lens, chunk_rows);
     let out = DeviceArray::filled(client, tokens * case.heads * v, f32::NAN);
     let q_dev = DeviceArray::upload(client, &q);
     mla::mla_prefill_heads(
@@ -381,7 +382,11 @@ pub fn run_mla_heads<R: Runtime>(
     let dtype = kv_dtype(case.format);
     Ok(CaseReport::from_comparison(
         "mla_prefill_heads",
-        format!("{} nope={nope} v={v} {precision:?}", case.shape()),
+        format!(
+            "{} nope={nope} v={v} {precision:?} chunks={}",
+            case.shape(),
+            context.chunks()
+        ),
         dtype,
         format!(
             "attention per head ({})",

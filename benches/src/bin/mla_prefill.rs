@@ -3,9 +3,10 @@
 //! `mla_peer.py` gives PyTorch's SDPA. The absorbed form (`mla_prefill`: 576 + 512 products
 //! per head and visible position) against the per-head form (`mla_prefill_heads`, timed
 //! whole: context rows read out of the cache, expanded by `kv_b_proj`, rounded to bf16,
-//! then attention over head dims 192/128), and the expansion GEMM alone (its share of the
-//! per-head time). TFLOP/s counts what SDPA is credited with (visible pairs x 2 x heads x
-//! (192 + 128)) for both forms, so kiln's ms against SDPA's ms from the same run is the
+//! then attention over head dims 192/128), the context whole and in chunks of 8k rows (how
+//! the engine bounds the expansion's memory), and the expansion GEMM alone (its share of
+//! the per-head time). TFLOP/s counts what SDPA is credited with (visible pairs x 2 x heads
+//! x (192 + 128)) for every form, so kiln's ms against SDPA's ms from the same run is the
 //! ratio.
 //!
 //! The per-head output is validated before it is timed: head 0 of the last query token
@@ -216,25 +217,27 @@ mod prefill {
             let q = normal_with_outliers(&mut rng, q_len * HEADS * (NOPE + 64), 1.0);
             let q_dev = DeviceArray::upload(&client, &q);
             let out = DeviceArray::filled(&client, q_len * HEADS * V, f32::NAN);
-            let context = ContextRows::new(&client, &[ctx]);
-            let per_head = || {
-                mla::mla_prefill_heads(
-                    &client,
-                    &q_dev,
-                    &cache,
-                    &meta,
-                    &context,
-                    &kv_b,
-                    shape,
-                    SCALE,
-                    &out,
-                    Precision::Bf16,
-                )
-                .expect("validated shapes")
-            };
-            per_head();
-            let worst = validate(&q, &out.read(&client), &weight, q_len, ctx)?;
-            push("per-head", time_ms(&timer, per_head)?, Some(worst));
+            for (form, chunk_rows) in [("per-head", usize::MAX), ("per-head 8k chunks", 8192)] {
+                let context = ContextRows::new(&client, &[ctx], chunk_rows);
+                let per_head = || {
+                    mla::mla_prefill_heads(
+                        &client,
+                        &q_dev,
+                        &cache,
+                        &meta,
+                        &context,
+                        &kv_b,
+                        shape,
+                        SCALE,
+                        &out,
+                        Precision::Bf16,
+                    )
+                    .expect("validated shapes")
+                };
+                per_head();
+                let worst = validate(&q, &out.read(&client), &weight, q_len, ctx)?;
+                push(form, time_ms(&timer, per_head)?, Some(worst));
+            }
 
             // Its expansion GEMM alone: [ctx, 512] x [512, heads * 256].
             let latent = DeviceArray::upload(
@@ -269,7 +272,7 @@ mod prefill {
         }
         report(
             &[
-                ("form", 15),
+                ("form", 18),
                 ("q", 5),
                 ("ctx", 6),
                 ("ms", 8),

@@ -47,49 +47,108 @@ pub fn attends_per_head(q_len: usize, tree: bool, from: Option<usize>) -> bool {
     from.is_some_and(|from| q_len >= from.max(1)) && !tree
 }
 
-/// Each request's context rows, contiguous: request `b`'s from row `cu_kv_lens[b]`.
+/// The per-head requests' context, read out and expanded a chunk of positions at a time:
+/// chunk `k` holds positions `k * span..(k + 1) * span` of every request (those it has),
+/// request after request. One chunk unless the rows pass the budget given to [`new`]; the
+/// attention of each chunk resumes from the running softmax state the one before left
+/// (its normalised output and log-sum-exp per query and head), so chunks bound the
+/// expansion's memory without changing what is computed.
+///
+/// [`new`]: ContextRows::new
 pub struct ContextRows {
-    /// `batch + 1` prefix sums of the requests' KV lengths.
-    pub cu_kv_lens: DeviceArray<u32>,
-    /// Rows in all (`cu_kv_lens[batch]`).
-    pub rows: usize,
+    chunks: Vec<ContextChunk>,
+}
+
+/// One chunk of [`ContextRows`].
+struct ContextChunk {
+    /// Its first position.
+    first_pos: usize,
+    /// `batch + 1` prefix sums of the requests' rows in the chunk.
+    cu_rows: DeviceArray<u32>,
+    /// Rows in all.
+    rows: usize,
+    /// Most rows of one request.
+    longest: usize,
 }
 
 impl ContextRows {
-    /// The layout for requests of `kv_lens` context positions.
-    pub fn new<R: Runtime>(client: &ComputeClient<R>, kv_lens: &[usize]) -> Self {
-        let mut cu = vec![0u32];
-        for &l in kv_lens {
-            cu.push(cu.last().expect("starts at 0") + l as u32);
+    /// The layout for requests of `kv_lens` context positions, in chunks of at most
+    /// `max_rows` rows: the widest span of positions (a multiple of 64) whose rows fit, at
+    /// least 64 (then a chunk may pass `max_rows` by up to 64 rows a request).
+    pub fn new<R: Runtime>(client: &ComputeClient<R>, kv_lens: &[usize], max_rows: usize) -> Self {
+        let fits = |span: usize| kv_lens.iter().map(|&l| l.min(span)).sum::<usize>() <= max_rows;
+        let longest = kv_lens.iter().copied().max().unwrap_or(0);
+        let mut span = longest.div_ceil(64).max(1) * 64;
+        if !fits(span) {
+            // Largest multiple of 64 that fits: `lo` fits (or is the least), `hi` does not.
+            let (mut lo, mut hi) = (1, span / 64);
+            while hi - lo > 1 {
+                let mid = (lo + hi) / 2;
+                if fits(mid * 64) {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            span = lo * 64;
         }
-        ContextRows {
-            rows: *cu.last().expect("starts at 0") as usize,
-            cu_kv_lens: DeviceArray::upload(client, &cu),
-        }
+        let chunks = (0..longest.div_ceil(span).max(1))
+            .map(|k| {
+                let first_pos = k * span;
+                let lens: Vec<usize> = kv_lens
+                    .iter()
+                    .map(|&l| l.saturating_sub(first_pos).min(span))
+                    .collect();
+                let mut cu = vec![0u32];
+                for &n in &lens {
+                    cu.push(cu.last().expect("starts at 0") + n as u32);
+                }
+                ContextChunk {
+                    first_pos,
+                    rows: lens.iter().sum(),
+                    longest: lens.iter().copied().max().unwrap_or(0),
+                    cu_rows: DeviceArray::upload(client, &cu),
+                }
+            })
+            .collect();
+        ContextRows { chunks }
+    }
+
+    /// Chunks the context is expanded in.
+    pub fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Rows of the largest chunk.
+    pub fn max_rows(&self) -> usize {
+        self.chunks.iter().map(|c| c.rows).max().unwrap_or(0)
     }
 }
 
+/// Grid: (16-row groups of the chunk's longest request, batch); [`CHUNK`] units. Reads
+/// request `b`'s rows of the chunk starting at position `first_pos` into `latent` and
+/// `rope`, from row `cu_rows[b]`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn read_rows_kernel(
     kv: &Array<u32>,
     block_table: &Array<u32>,
-    kv_lens: &Array<u32>,
-    cu_kv_lens: &Array<u32>,
+    cu_rows: &Array<u32>,
     latent: &mut Array<f32>,
     rope: &mut Array<f32>,
+    first_pos: u32,
     max_blocks: u32,
     page_size: u32,
     #[comptime] format: KvFormat,
 ) {
     let b = CUBE_POS_Y as usize;
-    let kv_len = kv_lens[b] as usize;
-    let first = cu_kv_lens[b] as usize;
+    let first = cu_rows[b] as usize;
+    let len = cu_rows[b + 1] as usize - first;
     let table = b * max_blocks as usize;
     for k in 0..ROWS_PER_CUBE as usize {
         let p = CUBE_POS_X as usize * ROWS_PER_CUBE as usize + k;
-        if p < kv_len {
-            let row = kv_row(block_table, table, p, page_size as usize);
+        if p < len {
+            let row = kv_row(block_table, table, first_pos as usize + p, page_size as usize);
             for d in range_stepped(UNIT_POS_X as usize, KV_DIM, CHUNK as usize) {
                 let value = kv_value(kv, row, d, format);
                 if d < V_DIM {
@@ -102,13 +161,25 @@ fn read_rows_kernel(
     }
 }
 
+/// How a launch of the attention meets the running state of a chunked context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct Resume {
+    /// Not the first chunk: start from the state in `out` and `lse`.
+    pub from_state: bool,
+    /// Not the last chunk: leave each row's log-sum-exp in `lse` beside its output.
+    pub keep_state: bool,
+}
+
 /// Compile-time shape of the attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct HeadsConfig {
     nope: u32,
     v: u32,
+    resume: Resume,
 }
 
+/// Grid: (query tiles of the longest request, heads, batch); [`CHUNK`] units. Attends
+/// positions `first_pos..` of the chunk whose rows `cu_rows` lays out.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn heads_kernel(
@@ -117,9 +188,11 @@ fn heads_kernel(
     rope: &Array<f32>,
     cu_q_lens: &Array<u32>,
     kv_lens: &Array<u32>,
-    cu_kv_lens: &Array<u32>,
+    cu_rows: &Array<u32>,
     out: &mut Array<f32>,
+    lse: &mut Array<f32>,
     heads: u32,
+    first_pos: u32,
     softmax_scale: f32,
     #[comptime] cfg: HeadsConfig,
 ) {
@@ -136,129 +209,153 @@ fn heads_kernel(
     let q_start = cu_q_lens[b] as usize;
     let q_len = cu_q_lens[b + 1] as usize - q_start;
     let kv_len = kv_lens[b] as usize;
-    let kv_first = cu_kv_lens[b] as usize;
+    let kv_first = cu_rows[b] as usize;
+    let first_pos = first_pos as usize;
     let first = CUBE_POS_X as usize * tile;
 
     if first < q_len {
         let rows_in_tile = min(tile, q_len - first);
-        // Query i of the tile sees positions 0..=pos0 + i.
+        // Query i of the tile sees positions 0..=pos0 + i; this chunk holds `first_pos..end`
+        // of them.
         let pos0 = kv_len - q_len + first;
         let last_pos = pos0 + rows_in_tile - 1;
+        let end = min(first_pos + cu_rows[b + 1] as usize - kv_first, last_pos + 1);
 
-        let mut qs =
-            SharedMemory::<f32>::new(comptime!(TILE as usize * (cfg.nope as usize + ROPE)));
-        let mut ps = SharedMemory::<f32>::new(comptime!((TILE * CHUNK) as usize));
-        for idx in range_stepped(unit, tile * width, chunk) {
-            let i = idx / width;
-            let mut value = 0.0f32;
-            if i < rows_in_tile {
-                value = q[((q_start + first + i) * heads + head) * width + idx % width];
+        if end > first_pos {
+            let mut qs =
+                SharedMemory::<f32>::new(comptime!(TILE as usize * (cfg.nope as usize + ROPE)));
+            let mut ps = SharedMemory::<f32>::new(comptime!((TILE * CHUNK) as usize));
+            for idx in range_stepped(unit, tile * width, chunk) {
+                let i = idx / width;
+                let mut value = 0.0f32;
+                if i < rows_in_tile {
+                    value = q[((q_start + first + i) * heads + head) * width + idx % width];
+                }
+                qs[idx] = value;
             }
-            qs[idx] = value;
-        }
-        let mut run_max = Array::<f32>::new(TILE as usize);
-        let mut run_sum = Array::<f32>::new(TILE as usize);
-        let mut acc = Array::<f32>::new(comptime!(
-            TILE as usize * (cfg.v as usize).div_ceil(CHUNK as usize)
-        ));
-        #[unroll]
-        for i in 0..tile {
-            run_max[i] = NEG_BIG;
-            run_sum[i] = 0.0;
-            #[unroll]
-            for dd in 0..dims_per_unit {
-                acc[i * dims_per_unit + dd] = 0.0;
-            }
-        }
-        sync_cube();
-
-        let chunks = last_pos / chunk + 1;
-        for c in 0..chunks {
-            let j = c * chunk + unit;
-            // 1. This unit's position against every query of the tile: nope dims from the
-            //    head's expanded key, rope dims from the shared rope row.
-            let mut scores = Array::<f32>::new(TILE as usize);
+            let mut run_max = Array::<f32>::new(TILE as usize);
+            let mut run_sum = Array::<f32>::new(TILE as usize);
+            let mut acc = Array::<f32>::new(comptime!(
+                TILE as usize * (cfg.v as usize).div_ceil(CHUNK as usize)
+            ));
             #[unroll]
             for i in 0..tile {
-                scores[i] = 0.0;
-            }
-            if j <= last_pos {
-                let key = ((kv_first + j) * heads + head) * kv_width;
+                run_max[i] = NEG_BIG;
+                run_sum[i] = 0.0;
                 #[unroll]
-                for d in 0..nope {
-                    let k = expanded[key + d];
+                for dd in 0..dims_per_unit {
+                    acc[i * dims_per_unit + dd] = 0.0;
+                }
+                // The chunks before left the normalised output: weight 1 at their max.
+                if comptime!(cfg.resume.from_state) && i < rows_in_tile {
+                    let row = (q_start + first + i) * heads + head;
+                    run_max[i] = lse[row];
+                    run_sum[i] = 1.0;
                     #[unroll]
-                    for i in 0..tile {
-                        scores[i] += qs[i * width + d] * k;
+                    for dd in 0..dims_per_unit {
+                        let e = unit + dd * chunk;
+                        if e < cfg.v as usize {
+                            acc[i * dims_per_unit + dd] = out[row * cfg.v as usize + e];
+                        }
                     }
                 }
-                #[unroll]
-                for d in 0..ROPE {
-                    let k = rope[(kv_first + j) * ROPE + d];
-                    #[unroll]
-                    for i in 0..tile {
-                        scores[i] += qs[i * width + nope + d] * k;
-                    }
-                }
-            }
-            #[unroll]
-            for i in 0..tile {
-                let visible = i < rows_in_tile && j <= pos0 + i;
-                ps[i * chunk + unit] = select(visible, scores[i] * softmax_scale, NEG_BIG);
             }
             sync_cube();
 
-            // 2-3. Chunk maximum per query, scores -> unnormalised weights.
-            let mut scale_old = Array::<f32>::new(TILE as usize);
-            chunk_weights(&mut ps, &mut run_max, &mut scale_old, unit, tile, chunk);
-
-            // 4. Each unit's value dimensions over the chunk's positions.
-            #[unroll]
-            for i in 0..tile {
-                run_sum[i] *= scale_old[i];
+            let chunks = (end - first_pos + chunk - 1) / chunk;
+            for c in 0..chunks {
+                let j = first_pos + c * chunk + unit;
+                // 1. This unit's position against every query of the tile: nope dims from
+                //    the head's expanded key, rope dims from the shared rope row.
+                let mut scores = Array::<f32>::new(TILE as usize);
                 #[unroll]
-                for dd in 0..dims_per_unit {
-                    acc[i * dims_per_unit + dd] *= scale_old[i];
+                for i in 0..tile {
+                    scores[i] = 0.0;
                 }
-            }
-            // In trips of UNROLL positions: llvmpipe caps an invocation's loop trips.
-            let rows_here = min(chunk, last_pos + 1 - c * chunk);
-            for t0 in range_stepped(0, rows_here, UNROLL) {
-                #[unroll]
-                for tk in 0..UNROLL {
-                    let t = t0 + tk;
-                    if t < rows_here {
-                        let value = ((kv_first + c * chunk + t) * heads + head) * kv_width + nope;
-                        #[unroll]
-                        for dd in 0..dims_per_unit {
-                            let e = unit + dd * chunk;
-                            if e < cfg.v as usize {
-                                let v = expanded[value + e];
-                                #[unroll]
-                                for i in 0..tile {
-                                    acc[i * dims_per_unit + dd] += ps[i * chunk + t] * v;
-                                }
-                            }
-                        }
+                if j < end {
+                    let row = kv_first + j - first_pos;
+                    let key = (row * heads + head) * kv_width;
+                    #[unroll]
+                    for d in 0..nope {
+                        let k = expanded[key + d];
                         #[unroll]
                         for i in 0..tile {
-                            run_sum[i] += ps[i * chunk + t];
+                            scores[i] += qs[i * width + d] * k;
+                        }
+                    }
+                    #[unroll]
+                    for d in 0..ROPE {
+                        let k = rope[row * ROPE + d];
+                        #[unroll]
+                        for i in 0..tile {
+                            scores[i] += qs[i * width + nope + d] * k;
                         }
                     }
                 }
-            }
-            sync_cube();
-        }
-
-        #[unroll]
-        for i in 0..tile {
-            if i < rows_in_tile {
-                let base = ((q_start + first + i) * heads + head) * cfg.v as usize;
                 #[unroll]
-                for dd in 0..dims_per_unit {
-                    let e = unit + dd * chunk;
-                    if e < cfg.v as usize {
-                        out[base + e] = acc[i * dims_per_unit + dd] / run_sum[i];
+                for i in 0..tile {
+                    let visible = i < rows_in_tile && j < end && j <= pos0 + i;
+                    ps[i * chunk + unit] = select(visible, scores[i] * softmax_scale, NEG_BIG);
+                }
+                sync_cube();
+
+                // 2-3. Chunk maximum per query, scores -> unnormalised weights.
+                let mut scale_old = Array::<f32>::new(TILE as usize);
+                chunk_weights(&mut ps, &mut run_max, &mut scale_old, unit, tile, chunk);
+
+                // 4. Each unit's value dimensions over the chunk's positions.
+                #[unroll]
+                for i in 0..tile {
+                    run_sum[i] *= scale_old[i];
+                    #[unroll]
+                    for dd in 0..dims_per_unit {
+                        acc[i * dims_per_unit + dd] *= scale_old[i];
+                    }
+                }
+                // In trips of UNROLL positions: llvmpipe caps an invocation's loop trips.
+                let rows_here = min(chunk, end - first_pos - c * chunk);
+                for t0 in range_stepped(0, rows_here, UNROLL) {
+                    #[unroll]
+                    for tk in 0..UNROLL {
+                        let t = t0 + tk;
+                        if t < rows_here {
+                            let value =
+                                ((kv_first + c * chunk + t) * heads + head) * kv_width + nope;
+                            #[unroll]
+                            for dd in 0..dims_per_unit {
+                                let e = unit + dd * chunk;
+                                if e < cfg.v as usize {
+                                    let v = expanded[value + e];
+                                    #[unroll]
+                                    for i in 0..tile {
+                                        acc[i * dims_per_unit + dd] += ps[i * chunk + t] * v;
+                                    }
+                                }
+                            }
+                            #[unroll]
+                            for i in 0..tile {
+                                run_sum[i] += ps[i * chunk + t];
+                            }
+                        }
+                    }
+                }
+                sync_cube();
+            }
+
+            #[unroll]
+            for i in 0..tile {
+                if i < rows_in_tile {
+                    let row = (q_start + first + i) * heads + head;
+                    #[unroll]
+                    for dd in 0..dims_per_unit {
+                        let e = unit + dd * chunk;
+                        if e < cfg.v as usize {
+                            out[row * cfg.v as usize + e] =
+                                acc[i * dims_per_unit + dd] / run_sum[i];
+                        }
+                    }
+                    if comptime!(cfg.resume.keep_state) && unit == 0 {
+                        lse[row] = run_max[i] + run_sum[i].ln();
                     }
                 }
             }
@@ -269,8 +366,9 @@ fn heads_kernel(
 /// Causal attention of long query spans in the per-head form: `q` `[tokens, heads, nope +
 /// 64]` (rope part rotated) over the cached context of each request (`meta`, causal only:
 /// no draft trees), `kv_b` `kv_b_proj` in bf16 words (`[heads * (nope + v), 512]`), `out`
-/// `[tokens, heads, v]`. `context` lays out the requests' context rows (their KV lengths,
-/// the same as `meta`'s). The expansion GEMM runs at `precision`.
+/// `[tokens, heads, v]`. `context` lays out the requests' context rows in chunks (built
+/// from the same KV lengths as `meta`); each chunk's rows are read out, expanded (the GEMM
+/// at `precision`) and attended in turn.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_prefill_heads<R: Runtime>(
     client: &ComputeClient<R>,
@@ -285,10 +383,11 @@ pub fn mla_prefill_heads<R: Runtime>(
     precision: Precision,
 ) -> Result<(), KernelError> {
     validate_batch(client, shape.heads, kv, meta)?;
+    let max_rows = context.max_rows();
     let ranges = [
         ("nope (per-head keys)", shape.nope, 256),
         ("v (per-head values)", shape.v, 256),
-        ("context rows", context.rows.max(1), u32::MAX as usize),
+        ("context rows of a chunk", max_rows.max(1), u32::MAX as usize),
     ];
     for (what, value, max) in ranges {
         if value == 0 || value > max {
@@ -308,104 +407,116 @@ pub fn mla_prefill_heads<R: Runtime>(
             max: 0,
         });
     }
-    let max_x = client.properties().hardware.max_cube_count.0;
-    let rows_per_position = (meta.max_kv_len as u32).div_ceil(ROWS_PER_CUBE);
-    if rows_per_position > max_x {
+    let (heads, kv_width) = (shape.heads, shape.nope + shape.v);
+    let tensor_cores = heads_on_tensor_cores(client, kv.format, precision, shape);
+    let max_x = client.properties().hardware.max_cube_count.0 as usize;
+    // The read-out's grid (16 rows a cube), and the pack's (a row a cube).
+    let (grid_x, per_cube) = if tensor_cores {
+        (max_rows, 1)
+    } else {
+        (max_rows.div_ceil(ROWS_PER_CUBE as usize), ROWS_PER_CUBE as usize)
+    };
+    if grid_x > max_x {
         return Err(KernelError::Range {
-            what: "max_kv_len (per-head read-out)",
-            value: meta.max_kv_len,
+            what: "context rows of a chunk (per-head read-out)",
+            value: max_rows,
             min: 1,
-            max: (max_x * ROWS_PER_CUBE) as usize,
+            max: max_x * per_cube,
         });
     }
-    let (heads, kv_width) = (shape.heads, shape.nope + shape.v);
-    check_len("cu_kv_lens", &context.cu_kv_lens, meta.batch + 1)?;
+    for chunk in &context.chunks {
+        check_len("chunk row offsets", &chunk.cu_rows, meta.batch + 1)?;
+    }
     check_len("queries", q, meta.num_tokens * heads * (shape.nope + ROPE))?;
     check_len("output", out, meta.num_tokens * heads * shape.v)?;
-    check_index_space("expanded keys and values", context.rows * heads * kv_width)?;
-    let tensor_cores = heads_on_tensor_cores(client, kv.format, precision, shape);
-    if tensor_cores && context.rows > max_x as usize {
-        return Err(KernelError::Range {
-            what: "context rows (per-head pack)",
-            value: context.rows,
-            min: 1,
-            max: max_x as usize,
-        });
-    }
-    let latent = DeviceArray::<f32>::uninit(client, context.rows * V_DIM);
-    let rope = DeviceArray::<f32>::uninit(client, context.rows * ROPE);
-    // SAFETY: lengths checked above; the metadata's device arrays are trusted.
-    unsafe {
-        read_rows_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(rows_per_position, meta.batch as u32, 1),
-            CubeDim::new_1d(CHUNK),
-            kv.data.arg(),
-            meta.block_table.arg(),
-            meta.kv_lens.arg(),
-            context.cu_kv_lens.arg(),
-            latent.arg(),
-            rope.arg(),
-            meta.max_blocks as u32,
-            kv.page_size as u32,
-            kv.format,
-        )
-    }
+    check_index_space("expanded keys and values", max_rows * heads * kv_width)?;
     let weights = Bf16Weights {
         data: kv_b.clone(),
         experts: 1,
         n: heads * kv_width,
         k: V_DIM,
     };
-    let expanded = DeviceArray::<f32>::uninit(client, context.rows * heads * kv_width);
-    bf16_gemm(
-        client,
-        &latent,
-        context.rows,
-        &weights,
-        &expanded,
-        precision,
-    )?;
-    if tensor_cores {
-        let packed = heads_mma::pack(client, &expanded, &rope, context.rows, shape);
-        heads_mma::attend(
-            client,
-            q,
-            &packed,
-            meta,
-            &context.cu_kv_lens,
-            context.rows,
-            shape,
-            softmax_scale,
-            out,
-        );
-        return Ok(());
-    }
-    let cfg = HeadsConfig {
-        nope: shape.nope as u32,
-        v: shape.v as u32,
-    };
-    // SAFETY: as above.
-    unsafe {
-        heads_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(
-                (meta.max_q_len as u32).div_ceil(TILE),
+    let chunks = context.chunks.len();
+    // Each query and head's log-sum-exp between chunks.
+    let lse = DeviceArray::<f32>::uninit(client, if chunks > 1 { meta.num_tokens * heads } else { 1 });
+    for (k, chunk) in context.chunks.iter().enumerate() {
+        let resume = Resume {
+            from_state: k > 0,
+            keep_state: k + 1 < chunks,
+        };
+        let latent = DeviceArray::<f32>::uninit(client, chunk.rows.max(1) * V_DIM);
+        let rope = DeviceArray::<f32>::uninit(client, chunk.rows.max(1) * ROPE);
+        // SAFETY: lengths checked above; the metadata's device arrays are trusted.
+        unsafe {
+            read_rows_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(
+                    (chunk.longest as u32).div_ceil(ROWS_PER_CUBE),
+                    meta.batch as u32,
+                    1,
+                ),
+                CubeDim::new_1d(CHUNK),
+                kv.data.arg(),
+                meta.block_table.arg(),
+                chunk.cu_rows.arg(),
+                latent.arg(),
+                rope.arg(),
+                chunk.first_pos as u32,
+                meta.max_blocks as u32,
+                kv.page_size as u32,
+                kv.format,
+            )
+        }
+        let expanded = DeviceArray::<f32>::uninit(client, chunk.rows.max(1) * heads * kv_width);
+        if chunk.rows > 0 {
+            bf16_gemm(client, &latent, chunk.rows, &weights, &expanded, precision)?;
+        }
+        if tensor_cores {
+            let packed = heads_mma::pack(client, &expanded, &rope, chunk.rows, shape);
+            heads_mma::attend(
+                client,
+                q,
+                &packed,
+                meta,
+                &chunk.cu_rows,
+                chunk.first_pos,
+                resume,
+                shape,
+                softmax_scale,
+                out,
+                &lse,
+            );
+            continue;
+        }
+        let cfg = HeadsConfig {
+            nope: shape.nope as u32,
+            v: shape.v as u32,
+            resume,
+        };
+        // SAFETY: as above.
+        unsafe {
+            heads_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(
+                    (meta.max_q_len as u32).div_ceil(TILE),
+                    heads as u32,
+                    meta.batch as u32,
+                ),
+                CubeDim::new_1d(CHUNK),
+                q.arg(),
+                expanded.arg(),
+                rope.arg(),
+                meta.cu_q_lens.arg(),
+                meta.kv_lens.arg(),
+                chunk.cu_rows.arg(),
+                out.arg(),
+                lse.arg(),
                 heads as u32,
-                meta.batch as u32,
-            ),
-            CubeDim::new_1d(CHUNK),
-            q.arg(),
-            expanded.arg(),
-            rope.arg(),
-            meta.cu_q_lens.arg(),
-            meta.kv_lens.arg(),
-            context.cu_kv_lens.arg(),
-            out.arg(),
-            heads as u32,
-            softmax_scale,
-            cfg,
-        )
+                chunk.first_pos as u32,
+                softmax_scale,
+                cfg,
+            )
+        }
     }
     Ok(())
 }

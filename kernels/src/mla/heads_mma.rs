@@ -33,6 +33,7 @@ use half::bf16;
 
 use super::absorb::KvBShape;
 use super::cache_write::bf16_bits;
+use super::heads::Resume;
 use super::mma::NEG_BIG;
 use super::{uses_tensor_cores, KvFormat};
 use crate::warp_mma::{Acc, Bf16x8, Frag};
@@ -113,7 +114,7 @@ fn pack_kernel(
 }
 
 /// Starts this unit's cp.async copies of tile `c` of one head's rows (`row_vecs` 16-byte
-/// vectors each, from row `first_row`; positions past `last_pos` read that one) into buffer
+/// vectors each, from row `first_row`; rows past `last_row` read that one) into buffer
 /// `buf` of `smem` (rows at a stride of `stride` vectors).
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -122,7 +123,7 @@ fn copy_tile(
     smem: &mut SharedMemory<Bf16x8>,
     first_row: usize,
     c: usize,
-    last_pos: usize,
+    last_row: usize,
     buf: usize,
     unit: usize,
     #[comptime] row_vecs: usize,
@@ -133,14 +134,15 @@ fn copy_tile(
         let idx = unit + j * UNITS as usize;
         let r = idx / row_vecs;
         let vec = idx % row_vecs;
-        let s = (first_row + min(c * TILE + r, last_pos)) * row_vecs + vec;
+        let s = (first_row + min(c * TILE + r, last_row)) * row_vecs + vec;
         let d = (buf * TILE + r) * stride + vec;
         copy_async(&src.slice(s, s + 1), &mut smem.slice_mut(d, d + 1), 8u32);
     }
 }
 
-/// Grid: (64-token blocks of the longest request, heads, batch); [`UNITS`] units. Fast
-/// `exp` (`__expf`): its error is far below the bf16 rounding of the weights it feeds.
+/// Grid: (64-token blocks of the longest request, heads, batch); [`UNITS`] units. Attends
+/// positions `first_pos..` of the chunk whose rows `cu_rows` lays out. Fast `exp`
+/// (`__expf`): its error is far below the bf16 rounding of the weights it feeds.
 #[cube(
     launch_unchecked,
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
@@ -152,11 +154,14 @@ fn attention_kernel(
     values: &Array<Bf16x8>,
     cu_q_lens: &Array<u32>,
     kv_lens: &Array<u32>,
-    cu_kv_lens: &Array<u32>,
+    cu_rows: &Array<u32>,
     out: &mut Array<f32>,
+    lse: &mut Array<f32>,
     rows: u32,
+    first_pos: u32,
     softmax_scale: f32,
     #[comptime] dims: Dims,
+    #[comptime] resume: Resume,
 ) {
     let k_vecs = comptime!(dims.qk as usize / 8);
     let v_vecs = comptime!(dims.v as usize / 8);
@@ -166,6 +171,7 @@ fn attention_kernel(
     let k_steps = comptime!(dims.qk as usize / 16);
     let n_tiles = comptime!(dims.v as usize / 8);
     let qk = comptime!(dims.qk as usize);
+    let v_dim = comptime!(dims.v as usize);
 
     let unit = UNIT_POS_X as usize;
     let warp = unit / 32;
@@ -181,23 +187,35 @@ fn attention_kernel(
     let kv_len = kv_lens[b] as usize;
     let blocks = (q_len + 63) / 64;
     let x = CUBE_POS_X as usize;
-
+    let first_pos = first_pos as usize;
+    let mut end = first_pos;
+    let mut first = 0usize;
+    let mut rows_in_block = 0usize;
+    let mut pos0 = 0usize;
     if x < blocks {
-        let first = (blocks - 1 - x) * 64;
-        let rows_in_block = min(64usize, q_len - first);
-        // Token i of the block sees positions 0..=pos0 + i.
-        let pos0 = kv_len - q_len + first;
-        let last_pos = pos0 + rows_in_block - 1;
-        let tiles = last_pos / TILE + 1;
-        let first_row = head * rows + cu_kv_lens[b] as usize;
+        first = (blocks - 1 - x) * 64;
+        rows_in_block = min(64usize, q_len - first);
+        // Token i of the block sees positions 0..=pos0 + i; this chunk holds `first_pos..end`
+        // of them.
+        pos0 = kv_len - q_len + first;
+        end = min(
+            first_pos + cu_rows[b + 1] as usize - cu_rows[b] as usize,
+            pos0 + rows_in_block,
+        );
+    }
+
+    if end > first_pos {
+        let tiles = (end - first_pos + TILE - 1) / TILE;
+        let first_row = head * rows + cu_rows[b] as usize;
+        let last_row = end - 1 - first_pos;
 
         let mma = cmma::MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
         let mut ks = SharedMemory::<Bf16x8>::new_aligned(2 * TILE * k_stride, 16usize);
         let mut vs = SharedMemory::<Bf16x8>::new_aligned(2 * TILE * v_stride, 16usize);
         let bar_a = Barrier::shared(UNITS, unit == 0);
         let bar_b = Barrier::shared(UNITS, unit == 0);
-        copy_tile(keys, &mut ks, first_row, 0, last_pos, 0, unit, k_vecs, k_stride);
-        copy_tile(values, &mut vs, first_row, 0, last_pos, 0, unit, v_vecs, v_stride);
+        copy_tile(keys, &mut ks, first_row, 0, last_row, 0, unit, k_vecs, k_stride);
+        copy_tile(values, &mut vs, first_row, 0, last_row, 0, unit, v_vecs, v_stride);
         bar_a.commit_copy_async();
 
         // This warp's query fragments (A: 16 tokens x 16 dims per k-step).
@@ -231,14 +249,43 @@ fn attention_kernel(
         let mut m_hi = f32::new(NEG_BIG);
         let mut l_lo = 0.0f32;
         let mut l_hi = 0.0f32;
+        let row_lo = warp * 16 + g;
+        let at_lo = (q_start + first + row_lo) * heads + head;
+        let at_hi = at_lo + 8 * heads;
+        // The chunks before left the normalised output: weight 1 at their max (one unit of
+        // the row's 4 holds the sum).
+        if comptime!(resume.from_state) {
+            let share = select(t == 0, 1.0f32, 0.0f32);
+            if row_lo < rows_in_block {
+                m_lo = lse[at_lo];
+                l_lo = share;
+                #[unroll]
+                for n in 0..n_tiles {
+                    let at = at_lo * v_dim + n * 8 + 2 * t;
+                    acc[n * 2] = Acc::new(0.0);
+                    acc[n * 2][0] = out[at];
+                    acc[n * 2][1] = out[at + 1];
+                }
+            }
+            if row_lo + 8 < rows_in_block {
+                m_hi = lse[at_hi];
+                l_hi = share;
+                #[unroll]
+                for n in 0..n_tiles {
+                    let at = at_hi * v_dim + n * 8 + 2 * t;
+                    acc[n * 2 + 1][0] = out[at];
+                    acc[n * 2 + 1][1] = out[at + 1];
+                }
+            }
+        }
         for c in 0..tiles {
             let buf = c % 2;
             // 1. The next tile into the other buffer (its last readers passed the barrier
             //    closing the tile before), then wait for this one.
             if c + 1 < tiles {
                 let next = 1 - buf;
-                copy_tile(keys, &mut ks, first_row, c + 1, last_pos, next, unit, k_vecs, k_stride);
-                copy_tile(values, &mut vs, first_row, c + 1, last_pos, next, unit, v_vecs, v_stride);
+                copy_tile(keys, &mut ks, first_row, c + 1, last_row, next, unit, k_vecs, k_stride);
+                copy_tile(values, &mut vs, first_row, c + 1, last_row, next, unit, v_vecs, v_stride);
                 if buf == 0 {
                     bar_b.commit_copy_async();
                 } else {
@@ -289,18 +336,19 @@ fn attention_kernel(
                 }
             }
 
-            // 3. Causal mask where the tile crosses a row's diagonal, then the online
-            //    softmax of rows g (lo) and g + 8 (hi).
-            if c * TILE + TILE - 1 > pos0 + warp * 16 {
+            // 3. Mask where the tile crosses a row's diagonal or the chunk's end, then the
+            //    online softmax of rows g (lo) and g + 8 (hi).
+            let tile_pos = first_pos + c * TILE;
+            if tile_pos + TILE > min(end, pos0 + warp * 16 + 1) {
                 #[unroll]
                 for nt in 0..8usize {
                     #[unroll]
                     for e in 0..2usize {
-                        let p = c * TILE + nt * 8 + 2 * t + e;
+                        let p = tile_pos + nt * 8 + 2 * t + e;
                         let lo = (nt * 2) * 2 + e;
                         let hi = (nt * 2 + 1) * 2 + e;
-                        sc[lo] = select(p <= lim_lo, sc[lo], NEG_BIG);
-                        sc[hi] = select(p <= lim_hi, sc[hi], NEG_BIG);
+                        sc[lo] = select(p <= lim_lo && p < end, sc[lo], NEG_BIG);
+                        sc[hi] = select(p <= lim_hi && p < end, sc[hi], NEG_BIG);
                     }
                 }
             }
@@ -394,15 +442,18 @@ fn attention_kernel(
         l_hi += plane_shuffle_xor(l_hi, 2);
         #[unroll]
         for half in 0..2usize {
-            let row = warp * 16 + g + half * 8;
-            if row < rows_in_block {
-                let inv = Acc::new(1.0 / select(half == 0, l_lo, l_hi));
-                let base = ((q_start + first + row) * heads + head) * comptime!(dims.v as usize);
+            if row_lo + half * 8 < rows_in_block {
+                let l = select(half == 0, l_lo, l_hi);
+                let at = select(half == 0, at_lo, at_hi);
+                let inv = Acc::new(1.0 / l);
                 #[unroll]
                 for n in 0..n_tiles {
                     let v = acc[n * 2 + half] * inv;
-                    out[base + n * 8 + 2 * t] = v[0];
-                    out[base + n * 8 + 2 * t + 1] = v[1];
+                    out[at * v_dim + n * 8 + 2 * t] = v[0];
+                    out[at * v_dim + n * 8 + 2 * t + 1] = v[1];
+                }
+                if comptime!(resume.keep_state) && t == 0 {
+                    lse[at] = select(half == 0, m_lo, m_hi) + l.ln();
                 }
             }
         }
@@ -413,6 +464,7 @@ fn attention_kernel(
 pub(super) struct Packed {
     keys: DeviceArray<u32>,
     values: DeviceArray<u32>,
+    rows: usize,
 }
 
 /// Rounds `expanded` (`[rows, heads, nope + v]`) and `rope` (`[rows, 64]`) into the
@@ -428,6 +480,7 @@ pub(super) fn pack<R: Runtime>(
     let packed = Packed {
         keys: DeviceArray::uninit(client, shape.heads * rows * qk / 2),
         values: DeviceArray::uninit(client, shape.heads * rows * shape.v / 2),
+        rows,
     };
     // SAFETY: the caller checked the shapes (`mla_prefill_heads`); the arrays above hold
     // every (head, row) written.
@@ -447,19 +500,23 @@ pub(super) fn pack<R: Runtime>(
     packed
 }
 
-/// Causal attention per head over [`pack`]ed keys and values: grid and arguments as the
-/// portable kernel's (`q` `[tokens, heads, nope + 64]`, `out` `[tokens, heads, v]`).
+/// Causal attention per head over [`pack`]ed keys and values of one chunk of the context
+/// (rows `cu_rows`, from position `first_pos`): grid and arguments as the portable
+/// kernel's (`q` `[tokens, heads, nope + 64]`, `out` `[tokens, heads, v]`, `lse` the
+/// running state between chunks).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attend<R: Runtime>(
     client: &ComputeClient<R>,
     q: &DeviceArray<f32>,
     packed: &Packed,
     meta: &super::AttnMetadata,
-    cu_kv_lens: &DeviceArray<u32>,
-    rows: usize,
+    cu_rows: &DeviceArray<u32>,
+    first_pos: usize,
+    resume: Resume,
     shape: KvBShape,
     softmax_scale: f32,
     out: &DeviceArray<f32>,
+    lse: &DeviceArray<f32>,
 ) {
     // SAFETY: as in `pack`; the metadata's device arrays are trusted.
     unsafe {
@@ -476,11 +533,14 @@ pub(super) fn attend<R: Runtime>(
             packed.values.arg(),
             meta.cu_q_lens.arg(),
             meta.kv_lens.arg(),
-            cu_kv_lens.arg(),
+            cu_rows.arg(),
             out.arg(),
-            rows as u32,
+            lse.arg(),
+            packed.rows as u32,
+            first_pos as u32,
             softmax_scale,
             dims(shape),
+            resume,
         )
     }
 }

@@ -74,24 +74,30 @@ fn prefill<R: Runtime>(client: &ComputeClient<R>) {
 /// with head dims of Kimi's (nope 128, v 128), others the tensor-core kernel takes (32/48:
 /// 6 k-steps, 3 pairs of value n-tiles) and odd smaller ones it does not (v past one unit
 /// per value dimension, and short of it), at both precisions (on CUDA, bf16 or fp8 KV at
-/// `Bf16` is the tensor-core kernel).
+/// `Bf16` is the tensor-core kernel), the context whole or in chunks of 64 positions and
+/// more (each chunk resuming from the state the one before left).
 fn per_head_prefill<R: Runtime>(client: &ComputeClient<R>) {
     let dims = prop::sample::select(vec![(128usize, 128usize), (32, 48), (16, 72), (8, 5)]);
     let precisions = prop::sample::select(vec![Precision::Exact, Precision::Bf16]);
+    let chunk_rows = prop::sample::select(vec![usize::MAX, 64, 200]);
     reports_pass(
-        24,
-        &(cases(AttnMode::Prefill, 150), dims, precisions),
-        |(case, (nope, v), precision)| run_mla_heads(client, case, *nope, *v, *precision),
+        20,
+        &(cases(AttnMode::Prefill, 150), dims, precisions, chunk_rows),
+        |(case, (nope, v), precision, rows)| {
+            run_mla_heads(client, case, *nope, *v, *precision, *rows)
+        },
     );
 }
 
 /// Kimi's per-head shape over several 64-token query blocks and 64-position tiles: a
 /// prefill from nothing, an extend over a prefix that is not a multiple of the tile, and
-/// a request shorter than a block beside them, both cache formats.
+/// a request shorter than a block beside them, both cache formats, whole and in chunks
+/// (of 192 positions: chunk ends inside query blocks' spans).
 fn per_head_prefill_blocks<R: Runtime>(client: &ComputeClient<R>) {
-    for (q_lens, kv_lens, format) in [
-        (vec![300, 70, 1], vec![300, 1000, 5], KvFormat::Bf16),
-        (vec![129, 64], vec![333, 64], KvFormat::Fp8),
+    for (q_lens, kv_lens, format, chunk_rows) in [
+        (vec![300, 70, 1], vec![300, 1000, 5], KvFormat::Bf16, usize::MAX),
+        (vec![129, 64], vec![333, 64], KvFormat::Fp8, usize::MAX),
+        (vec![300, 70, 1], vec![300, 1000, 5], KvFormat::Bf16, 3 * 192),
     ] {
         let case = MlaCase {
             heads: 4,
@@ -104,7 +110,7 @@ fn per_head_prefill_blocks<R: Runtime>(client: &ComputeClient<R>) {
             huge_tile: false,
             tree: false,
         };
-        run_mla_heads(client, &case, 128, 128, Precision::Bf16)
+        run_mla_heads(client, &case, 128, 128, Precision::Bf16, chunk_rows)
             .unwrap()
             .assert_passed();
     }

@@ -234,8 +234,7 @@ impl Batch {
 
     /// Checks the batch against the vocabulary and the pool, and lays it out; requests of
     /// `per_head.0` new tokens or more attend in the per-head form ([`attends_per_head`]),
-    /// unless their contexts together pass `per_head.1` rows (the expanded keys and values
-    /// would not fit: then every request attends absorbed).
+    /// their contexts expanded in chunks of at most about `per_head.1` rows.
     pub(super) fn plan<R: Runtime>(
         &self,
         client: &ComputeClient<R>,
@@ -314,15 +313,10 @@ impl Batch {
         }
         let all: Vec<usize> = (0..self.requests.len()).collect();
         let meta = attention_meta(client, &self.requests, &all, max_blocks);
-        let (mut heads, mut rest): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&b| {
+        let (heads, rest): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&b| {
             let r = &self.requests[b];
             attends_per_head(r.tokens.len(), r.tree.is_some(), per_head.map(|p| p.0))
         });
-        let context_rows: usize = heads.iter().map(|&b| self.requests[b].kv_len).sum();
-        if per_head.is_some_and(|(_, most)| context_rows > most) {
-            heads.clear();
-            rest = all.clone();
-        }
         let part = |members: &[usize]| {
             let rows: Vec<u32> = members.iter().flat_map(|&b| cu[b]..cu[b + 1]).collect();
             let pos: Vec<u32> = rows.iter().map(|&t| positions[t as usize]).collect();
@@ -332,11 +326,11 @@ impl Batch {
                 positions: DeviceArray::upload(client, &pos),
             }
         };
-        let per_head = (!heads.is_empty()).then(|| {
+        let per_head = per_head.filter(|_| !heads.is_empty()).map(|(_, most)| {
             let kv_lens: Vec<usize> = heads.iter().map(|&b| self.requests[b].kv_len).collect();
             PerHeadSplit {
                 heads: part(&heads),
-                context: ContextRows::new(client, &kv_lens),
+                context: ContextRows::new(client, &kv_lens, most),
                 absorbed: (!rest.is_empty()).then(|| part(&rest)),
             }
         });

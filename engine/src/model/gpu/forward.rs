@@ -17,9 +17,9 @@ use super::batch::{Launched, Plan, Reads};
 use super::{Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, StepOutput};
 
 /// Largest expansion of context rows into per-head keys and values (f32, plus their bf16
-/// copy on tensor cores) one step makes in the per-head form: WebGPU's usual largest
-/// buffer binding, 2 GiB (Kimi: 32,768 context rows, 20,164 on tensor cores; a longer
-/// prefix prefills absorbed until the per-head form splits its context).
+/// copy on tensor cores) the per-head form makes at once: WebGPU's usual largest buffer
+/// binding, 2 GiB (Kimi: 32,768 context rows, 20,164 on tensor cores). Longer contexts are
+/// expanded and attended in chunks of that many rows (`kiln_kernels::mla::ContextRows`).
 const MAX_EXPANDED_BYTES: usize = 2 << 30;
 
 impl<R: Runtime> GpuModel<R> {
@@ -252,8 +252,8 @@ impl<R: Runtime> GpuModel<R> {
     }
 
     /// Lays `batch` out for `pool`, with the requests that attend per head split off where
-    /// this device takes the per-head form ([`GpuModel::set_per_head_from`]) and their
-    /// expanded keys and values fit [`MAX_EXPANDED_BYTES`]. Where the absorbed kernels run
+    /// this device takes the per-head form ([`GpuModel::set_per_head_from`]), their contexts
+    /// expanded in chunks of [`MAX_EXPANDED_BYTES`]. Where the absorbed kernels run
     /// on tensor cores, the per-head form must too (`mla::heads_on_tensor_cores`): the
     /// portable per-head kernel would be slower than the absorbed tensor-core one.
     pub(super) fn plan(&self, batch: &Batch, pool: &KvPool) -> Result<Plan, ModelError> {
