@@ -262,9 +262,10 @@ fn attention_kernel(
                 #[unroll]
                 for n in 0..n_tiles {
                     let at = at_lo * v_dim + n * 8 + 2 * t;
-                    acc[n * 2] = Acc::new(0.0);
-                    acc[n * 2][0] = out[at];
-                    acc[n * 2][1] = out[at + 1];
+                    let mut v = Acc::empty();
+                    v[0] = out[at];
+                    v[1] = out[at + 1];
+                    acc[n * 2] = v;
                 }
             }
             if row_lo + 8 < rows_in_block {
@@ -273,8 +274,10 @@ fn attention_kernel(
                 #[unroll]
                 for n in 0..n_tiles {
                     let at = at_hi * v_dim + n * 8 + 2 * t;
-                    acc[n * 2 + 1][0] = out[at];
-                    acc[n * 2 + 1][1] = out[at + 1];
+                    let mut v = Acc::empty();
+                    v[0] = out[at];
+                    v[1] = out[at + 1];
+                    acc[n * 2 + 1] = v;
                 }
             }
         }
@@ -444,7 +447,7 @@ fn attention_kernel(
         for half in 0..2usize {
             if row_lo + half * 8 < rows_in_block {
                 let l = select(half == 0, l_lo, l_hi);
-                let at = select(half == 0, at_lo, at_hi);
+                let at = at_lo + half * 8 * heads;
                 let inv = Acc::new(1.0 / l);
                 #[unroll]
                 for n in 0..n_tiles {
