@@ -351,11 +351,12 @@ pub fn run_mla_heads<R: Runtime>(
     let reference = mla_attention_heads(&q, &seen, &batch, &kvb, scale);
     // Keys and values are f32 dots of 512 bf16 weights (exact) with the decoded latent:
     // `gamma(512)` of their magnitudes, which the scores see through `nope` more products
-    // (the head dim below) and the output takes as is (the `gamma` term). The tensor-core
-    // kernel rounds queries, keys, values and weights to bf16: operands at bf16, and the
+    // (the head dim below) and the output takes as is (the `gamma` term). At `Bf16` the
+    // expansion GEMM may round the latent to bf16 (inexact from an f32 cache), and the
+    // tensor-core kernel rounds queries, keys, values and weights: operands at bf16, and the
     // values' rounding once more of their magnitude.
     let tensor_cores = mla::heads_on_tensor_cores(client, case.format, precision, shape);
-    let (operands, value_rounding) = if tensor_cores {
+    let (operands, value_rounding) = if precision == Precision::Bf16 {
         (DType::BF16, DType::BF16.unit_roundoff())
     } else {
         (DType::F32, 0.0)

@@ -22,7 +22,7 @@ use kiln_benches::report::{fixed, report};
 use kiln_benches::{floor_seconds, fp8_kv_scales, kimi_k2_layers, step_floor_seconds};
 use kiln_core::model::ModelConfig;
 use kiln_kernels::fill::{fill_random_bits, fill_random_records};
-use kiln_kernels::mla::KvFormat;
+use kiln_kernels::mla::{KvFormat, PER_HEAD_MIN_Q_LEN};
 
 /// Kimi-K2 per-layer decode and prefill timing on the device.
 #[derive(Parser)]
@@ -53,6 +53,10 @@ struct Args {
     /// `kiln serve --synthetic kimi-k2.6 --layers N` serves) instead of one layer.
     #[arg(long, value_name = "N")]
     served_layers: Option<usize>,
+    /// Requests prefilling at least N new tokens attend in MLA's per-head form, as
+    /// `kiln serve --mla-per-head-from` (0: always absorbed).
+    #[arg(long, default_value_t = PER_HEAD_MIN_Q_LEN, value_name = "N")]
+    mla_per_head_from: usize,
     /// Write every point as JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -106,7 +110,8 @@ impl Bench {
         c: ModelConfig,
         seed: u32,
     ) -> anyhow::Result<GpuModel<R>> {
-        let m = GpuModel::synthetic(client.clone(), self.shapes(c)?, seed)?;
+        let mut m = GpuModel::synthetic(client.clone(), self.shapes(c)?, seed)?;
+        m.set_per_head_from(Some(self.args.mla_per_head_from).filter(|&n| n > 0));
         Ok(match self.args.tp_rank_of {
             Some(t) => m.with_all_reduce_stand_in(t)?,
             None => m,
