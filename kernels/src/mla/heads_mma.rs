@@ -5,9 +5,11 @@
 //! and values are rounded to bf16 into head-major arrays, `[heads, context rows, nope + 64]`
 //! and `[heads, context rows, v]`, so a head's tile of positions is one contiguous block.
 //!
-//! Then a cube of 4 warps owns [`ROWS`] consecutive query tokens of one head of one request
+//! Then a cube of 8 warps owns [`ROWS`] consecutive query tokens of one head of one request
 //! (warp `w` its tokens `16 w..16 w + 16`), the query fragments in registers for the whole
-//! kernel. Per tile of [`TILE`] positions:
+//! kernel; 128 rows a cube share each tile of keys and values, so a tile brought into
+//! shared memory feeds twice the products a 64-row cube gets from it (at 64 rows the tiles'
+//! traffic from L2 was about what it can give). Per tile of [`TILE`] positions:
 //! 1. the tile's keys and values arrive in shared memory by cp.async, issued one tile ahead
 //!    into the other of two buffers (positions past the cube's last visible one read that
 //!    one again: finite values, weighted 0);
@@ -40,11 +42,11 @@ use crate::warp_mma::{Acc, Bf16x8, Frag};
 use crate::{DeviceArray, Precision};
 
 /// Query tokens per cube: 16 per warp.
-pub const ROWS: u32 = 64;
+pub const ROWS: u32 = 128;
 /// Context positions per tile.
 const TILE: usize = 64;
-/// Units per cube: 4 warps.
-const UNITS: u32 = 128;
+/// Units per cube: 8 warps.
+const UNITS: u32 = ROWS / 16 * 32;
 /// Units per cube of the pack.
 const PACK_UNITS: u32 = 64;
 /// Width of the shared rope part.
@@ -129,18 +131,21 @@ fn copy_tile(
     #[comptime] row_vecs: usize,
     #[comptime] stride: usize,
 ) {
+    let whole = comptime!((TILE * row_vecs).is_multiple_of(UNITS as usize));
     #[unroll]
-    for j in 0..comptime!(TILE * row_vecs / UNITS as usize) {
+    for j in 0..comptime!((TILE * row_vecs).div_ceil(UNITS as usize)) {
         let idx = unit + j * UNITS as usize;
-        let r = idx / row_vecs;
-        let vec = idx % row_vecs;
-        let s = (first_row + min(c * TILE + r, last_row)) * row_vecs + vec;
-        let d = (buf * TILE + r) * stride + vec;
-        copy_async(&src.slice(s, s + 1), &mut smem.slice_mut(d, d + 1), 8u32);
+        if whole || idx < TILE * row_vecs {
+            let r = idx / row_vecs;
+            let vec = idx % row_vecs;
+            let s = (first_row + min(c * TILE + r, last_row)) * row_vecs + vec;
+            let d = (buf * TILE + r) * stride + vec;
+            copy_async(&src.slice(s, s + 1), &mut smem.slice_mut(d, d + 1), 8u32);
+        }
     }
 }
 
-/// Grid: (64-token blocks of the longest request, heads, batch); [`UNITS`] units. Attends
+/// Grid: ([`ROWS`]-token blocks of the longest request, heads, batch); [`UNITS`] units. Attends
 /// positions `first_pos..` of the chunk whose rows `cu_rows` lays out. Fast `exp`
 /// (`__expf`): its error is far below the bf16 rounding of the weights it feeds.
 #[cube(
@@ -185,7 +190,8 @@ fn attention_kernel(
     let q_start = cu_q_lens[b] as usize;
     let q_len = cu_q_lens[b + 1] as usize - q_start;
     let kv_len = kv_lens[b] as usize;
-    let blocks = (q_len + 63) / 64;
+    let block = ROWS as usize;
+    let blocks = (q_len + block - 1) / block;
     let x = CUBE_POS_X as usize;
     let first_pos = first_pos as usize;
     let mut end = first_pos;
@@ -193,8 +199,8 @@ fn attention_kernel(
     let mut rows_in_block = 0usize;
     let mut pos0 = 0usize;
     if x < blocks {
-        first = (blocks - 1 - x) * 64;
-        rows_in_block = min(64usize, q_len - first);
+        first = (blocks - 1 - x) * block;
+        rows_in_block = min(block, q_len - first);
         // Token i of the block sees positions 0..=pos0 + i; this chunk holds `first_pos..end`
         // of them.
         pos0 = kv_len - q_len + first;

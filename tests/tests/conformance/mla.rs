@@ -89,7 +89,7 @@ fn per_head_prefill<R: Runtime>(client: &ComputeClient<R>) {
     );
 }
 
-/// Kimi's per-head shape over several 64-token query blocks and 64-position tiles: a
+/// Kimi's per-head shape over several query blocks (128 tokens) and 64-position tiles: a
 /// prefill from nothing, an extend over a prefix that is not a multiple of the tile, and
 /// a request shorter than a block beside them, both cache formats, whole and in chunks
 /// (of 192 positions: chunk ends inside query blocks' spans).
