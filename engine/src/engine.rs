@@ -323,10 +323,14 @@ impl BackendVisitor for Runner {
 /// Runs a prefill, a decode step, a draft tree and sampled steps (masked, fed from the step
 /// before, with log-probabilities) of one request on the pool's first pages before the
 /// server opens, so the first client does not wait while their kernels compile (0.4 s on
-/// llvmpipe, 14 s on the H200 for the embedded model); shapes that pick other kernel
-/// variants (other GEMM paths by row count, the per-head prefill) still compile on first
-/// use, seconds each on CUDA. The pages stay free in the scheduler: no request reads a KV
-/// row it has not written itself.
+/// llvmpipe, 14 s on the H200 for the embedded model); then, where prefills attend per
+/// head on tensor cores and the pool holds one, a prefill long enough to (its kernels, and
+/// the GEMMs' paths at its row count: seconds of NVRTC on CUDA; on llvmpipe the prefill
+/// would cost more than the compile it saves, 9 s against 2 for the embedded model). Shapes
+/// that pick other kernel variants (other GEMM paths by row count, a context expanded in
+/// several chunks) still compile on first use, seconds each on CUDA.
+/// The pages stay free in the scheduler: no request reads a KV row it has not written
+/// itself.
 fn warm_up<R: Runtime>(
     model: &GpuModel<R>,
     pool: &KvPool,
@@ -340,18 +344,17 @@ fn warm_up<R: Runtime>(
         return Ok(());
     }
     let vocab = model.config.vocab_size as u32;
-    let block_table: Vec<u32> = (0..(prompt + 1).div_ceil(page) as u32).collect();
-    let slice = |tokens: Vec<u32>, kv_len, tree| RequestSlice {
+    let slice = |tokens: Vec<u32>, kv_len: usize, tree| RequestSlice {
         tokens,
         kv_len,
-        block_table: block_table.clone(),
+        block_table: (0..kv_len.div_ceil(page) as u32).collect(),
         tree,
     };
-    let prefill = (0..prompt as u32).map(|t| t % vocab).collect();
-    model.step(
-        &Batch::last_logits(vec![slice(prefill, prompt, None)]),
-        pool,
-    )?;
+    let prefill = |len: usize| {
+        let tokens = (0..len as u32).map(|t| t % vocab).collect();
+        model.step(&Batch::last_logits(vec![slice(tokens, len, None)]), pool)
+    };
+    prefill(prompt)?;
     model.step(
         &Batch::last_logits(vec![slice(vec![0], prompt + 1, None)]),
         pool,
@@ -375,6 +378,11 @@ fn warm_up<R: Runtime>(
     let second = model.launch(&fed, pool, first.sampled())?;
     first.wait()?;
     second.wait()?;
+    if let Some(len) = model.per_head_from().filter(|&from| {
+        from > prompt && from < pages * page && model.per_head_on_tensor_cores(pool)
+    }) {
+        prefill(len)?;
+    }
     tracing::info!(ms = start.elapsed().as_millis() as u64, "kernels warmed up");
     Ok(())
 }

@@ -121,13 +121,8 @@ mod prefill {
                 trees: Vec::new(),
             };
             let row = i * HEADS;
-            let r = mla_attention_heads(
-                &q[row * width..(row + 1) * width],
-                &kv,
-                &batch,
-                &kvb,
-                SCALE,
-            );
+            let r =
+                mla_attention_heads(&q[row * width..(row + 1) * width], &kv, &batch, &kvb, SCALE);
             let (s, v) = (r.score_magnitude[0], r.value_magnitude[0]);
             let bound = attention_allowed(
                 KV_LORA_RANK + width,
@@ -178,19 +173,18 @@ mod prefill {
         );
         let timer = SpinTimer::new(&client, Duration::from_millis(4));
         let mut rng = Rng::new(2026_12_07);
-        let weight: Vec<f32> = normal_with_outliers(&mut rng, HEADS * (NOPE + V) * KV_LORA_RANK, 0.05)
-            .iter()
-            .map(|&w| bf16_round(w))
-            .collect();
+        let weight: Vec<f32> =
+            normal_with_outliers(&mut rng, HEADS * (NOPE + V) * KV_LORA_RANK, 0.05)
+                .iter()
+                .map(|&w| bf16_round(w))
+                .collect();
         let bits: Vec<u16> = weight.iter().map(|&w| bf16_encode(w)).collect();
         let kv_b = DeviceArray::upload(&client, &pack_u16_words(&bits));
         let mut points = Vec::new();
         for (q_len, ctx) in [(8192, 8192), (8192, 32768)] {
             let pages = ctx.div_ceil(PAGE);
-            let data = DeviceArray::<u32>::uninit(
-                &client,
-                pages * PAGE * KvFormat::Bf16.words_per_row(),
-            );
+            let data =
+                DeviceArray::<u32>::uninit(&client, pages * PAGE * KvFormat::Bf16.words_per_row());
             fill_random_bits(&client, &data, SEED, MASKS.0, MASKS.1)?;
             let cache = PagedKvCache {
                 data,
@@ -265,8 +259,17 @@ mod prefill {
             );
             let out = DeviceArray::<f32>::uninit(&client, q_len * HEADS * 512);
             let absorbed = || {
-                mla::mla_prefill(&client, &q, HEADS, &cache, &meta, SCALE, &out, Precision::Bf16)
-                    .expect("validated shapes")
+                mla::mla_prefill(
+                    &client,
+                    &q,
+                    HEADS,
+                    &cache,
+                    &meta,
+                    SCALE,
+                    &out,
+                    Precision::Bf16,
+                )
+                .expect("validated shapes")
             };
             push("absorbed", time_ms(&timer, absorbed)?, None);
         }

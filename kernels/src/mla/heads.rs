@@ -148,7 +148,12 @@ fn read_rows_kernel(
     for k in 0..ROWS_PER_CUBE as usize {
         let p = CUBE_POS_X as usize * ROWS_PER_CUBE as usize + k;
         if p < len {
-            let row = kv_row(block_table, table, first_pos as usize + p, page_size as usize);
+            let row = kv_row(
+                block_table,
+                table,
+                first_pos as usize + p,
+                page_size as usize,
+            );
             for d in range_stepped(UNIT_POS_X as usize, KV_DIM, CHUNK as usize) {
                 let value = kv_value(kv, row, d, format);
                 if d < V_DIM {
@@ -387,7 +392,11 @@ pub fn mla_prefill_heads<R: Runtime>(
     let ranges = [
         ("nope (per-head keys)", shape.nope, 256),
         ("v (per-head values)", shape.v, 256),
-        ("context rows of a chunk", max_rows.max(1), u32::MAX as usize),
+        (
+            "context rows of a chunk",
+            max_rows.max(1),
+            u32::MAX as usize,
+        ),
     ];
     for (what, value, max) in ranges {
         if value == 0 || value > max {
@@ -414,7 +423,10 @@ pub fn mla_prefill_heads<R: Runtime>(
     let (grid_x, per_cube) = if tensor_cores {
         (max_rows, 1)
     } else {
-        (max_rows.div_ceil(ROWS_PER_CUBE as usize), ROWS_PER_CUBE as usize)
+        (
+            max_rows.div_ceil(ROWS_PER_CUBE as usize),
+            ROWS_PER_CUBE as usize,
+        )
     };
     if grid_x > max_x {
         return Err(KernelError::Range {
@@ -438,7 +450,14 @@ pub fn mla_prefill_heads<R: Runtime>(
     };
     let chunks = context.chunks.len();
     // Each query and head's log-sum-exp between chunks.
-    let lse = DeviceArray::<f32>::uninit(client, if chunks > 1 { meta.num_tokens * heads } else { 1 });
+    let lse = DeviceArray::<f32>::uninit(
+        client,
+        if chunks > 1 {
+            meta.num_tokens * heads
+        } else {
+            1
+        },
+    );
     for (k, chunk) in context.chunks.iter().enumerate() {
         let resume = Resume {
             from_state: k > 0,

@@ -5,11 +5,9 @@
 //! and values are rounded to bf16 into head-major arrays, `[heads, context rows, nope + 64]`
 //! and `[heads, context rows, v]`, so a head's tile of positions is one contiguous block.
 //!
-//! Then a cube of 8 warps owns [`ROWS`] consecutive query tokens of one head of one request
-//! (warp `w` its tokens `16 w..16 w + 16`), the query fragments in registers for the whole
-//! kernel; 128 rows a cube share each tile of keys and values, so a tile brought into
-//! shared memory feeds twice the products a 64-row cube gets from it (at 64 rows the tiles'
-//! traffic from L2 was about what it can give). Per tile of [`TILE`] positions:
+//! Then a cube of [`ROWS`] / 16 warps owns [`ROWS`] consecutive query tokens of one head of
+//! one request (warp `w` its tokens `16 w..16 w + 16`), the query fragments in registers for
+//! the whole kernel. Per tile of [`TILE`] positions:
 //! 1. the tile's keys and values arrive in shared memory by cp.async, issued one tile ahead
 //!    into the other of two buffers (positions past the cube's last visible one read that
 //!    one again: finite values, weighted 0);
@@ -41,11 +39,13 @@ use super::{uses_tensor_cores, KvFormat};
 use crate::warp_mma::{Acc, Bf16x8, Frag};
 use crate::{DeviceArray, Precision};
 
-/// Query tokens per cube: 16 per warp.
-pub const ROWS: u32 = 128;
+/// Query tokens per cube: 16 per warp. 64 is the measured configuration (RESULTS.md,
+/// 2026-12-07); 128 (8 warps sharing each key/value tile, half the tiles' traffic per
+/// product) compiles but has not run on a GPU.
+pub const ROWS: u32 = 64;
 /// Context positions per tile.
 const TILE: usize = 64;
-/// Units per cube: 8 warps.
+/// Units per cube: a warp per 16 rows.
 const UNITS: u32 = ROWS / 16 * 32;
 /// Units per cube of the pack.
 const PACK_UNITS: u32 = 64;
@@ -220,8 +220,12 @@ fn attention_kernel(
         let mut vs = SharedMemory::<Bf16x8>::new_aligned(2 * TILE * v_stride, 16usize);
         let bar_a = Barrier::shared(UNITS, unit == 0);
         let bar_b = Barrier::shared(UNITS, unit == 0);
-        copy_tile(keys, &mut ks, first_row, 0, last_row, 0, unit, k_vecs, k_stride);
-        copy_tile(values, &mut vs, first_row, 0, last_row, 0, unit, v_vecs, v_stride);
+        copy_tile(
+            keys, &mut ks, first_row, 0, last_row, 0, unit, k_vecs, k_stride,
+        );
+        copy_tile(
+            values, &mut vs, first_row, 0, last_row, 0, unit, v_vecs, v_stride,
+        );
         bar_a.commit_copy_async();
 
         // This warp's query fragments (A: 16 tokens x 16 dims per k-step).
@@ -293,8 +297,28 @@ fn attention_kernel(
             //    closing the tile before), then wait for this one.
             if c + 1 < tiles {
                 let next = 1 - buf;
-                copy_tile(keys, &mut ks, first_row, c + 1, last_row, next, unit, k_vecs, k_stride);
-                copy_tile(values, &mut vs, first_row, c + 1, last_row, next, unit, v_vecs, v_stride);
+                copy_tile(
+                    keys,
+                    &mut ks,
+                    first_row,
+                    c + 1,
+                    last_row,
+                    next,
+                    unit,
+                    k_vecs,
+                    k_stride,
+                );
+                copy_tile(
+                    values,
+                    &mut vs,
+                    first_row,
+                    c + 1,
+                    last_row,
+                    next,
+                    unit,
+                    v_vecs,
+                    v_stride,
+                );
                 if buf == 0 {
                     bar_b.commit_copy_async();
                 } else {

@@ -89,15 +89,25 @@ fn per_head_prefill<R: Runtime>(client: &ComputeClient<R>) {
     );
 }
 
-/// Kimi's per-head shape over several query blocks (128 tokens) and 64-position tiles: a
+/// Kimi's per-head shape over several query blocks (64 tokens) and 64-position tiles: a
 /// prefill from nothing, an extend over a prefix that is not a multiple of the tile, and
 /// a request shorter than a block beside them, both cache formats, whole and in chunks
 /// (of 192 positions: chunk ends inside query blocks' spans).
 fn per_head_prefill_blocks<R: Runtime>(client: &ComputeClient<R>) {
     for (q_lens, kv_lens, format, chunk_rows) in [
-        (vec![300, 70, 1], vec![300, 1000, 5], KvFormat::Bf16, usize::MAX),
+        (
+            vec![300, 70, 1],
+            vec![300, 1000, 5],
+            KvFormat::Bf16,
+            usize::MAX,
+        ),
         (vec![129, 64], vec![333, 64], KvFormat::Fp8, usize::MAX),
-        (vec![300, 70, 1], vec![300, 1000, 5], KvFormat::Bf16, 3 * 192),
+        (
+            vec![300, 70, 1],
+            vec![300, 1000, 5],
+            KvFormat::Bf16,
+            3 * 192,
+        ),
     ] {
         let case = MlaCase {
             heads: 4,

@@ -251,6 +251,15 @@ impl<R: Runtime> GpuModel<R> {
         Ok(Some(out))
     }
 
+    /// True when requests prefilling into `pool` attend per head on tensor cores
+    /// (`mla::heads_on_tensor_cores`: CUDA at bf16 with a bf16 or fp8 cache).
+    pub fn per_head_on_tensor_cores(&self, pool: &KvPool) -> bool {
+        self.per_head_from.is_some()
+            && pool.caches.first().is_some_and(|c| {
+                mla::heads_on_tensor_cores(&self.client, c.format, self.precision, self.kv_b_shape)
+            })
+    }
+
     /// Lays `batch` out for `pool`, with the requests that attend per head split off where
     /// this device takes the per-head form ([`GpuModel::set_per_head_from`]), their contexts
     /// expanded in chunks of [`MAX_EXPANDED_BYTES`]. Where the absorbed kernels run

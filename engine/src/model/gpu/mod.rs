@@ -308,6 +308,11 @@ impl<R: Runtime> GpuModel<R> {
         self.per_head_from = from;
     }
 
+    /// The fewest new tokens of a request that attend per head (`None`: none do).
+    pub fn per_head_from(&self) -> Option<usize> {
+        self.per_head_from
+    }
+
     /// A KV pool for this model: `num_pages` pages of `page_size` tokens per layer.
     pub fn kv_pool(&self, num_pages: usize, page_size: usize, format: KvFormat) -> KvPool {
         let words = num_pages * page_size * format.words_per_row();
