@@ -171,8 +171,8 @@ fn attention_kernel(
     let k_vecs = comptime!(dims.qk as usize / 8);
     let v_vecs = comptime!(dims.v as usize / 8);
     // Odd strides: the 8 rows an `ldmatrix` reads fall in distinct bank groups.
-    let k_stride = comptime!(dims.qk as usize / 8 | 1);
-    let v_stride = comptime!(dims.v as usize / 8 | 1);
+    let k_stride = comptime!((dims.qk as usize / 8) | 1);
+    let v_stride = comptime!((dims.v as usize / 8) | 1);
     let k_steps = comptime!(dims.qk as usize / 16);
     let n_tiles = comptime!(dims.v as usize / 8);
     let qk = comptime!(dims.qk as usize);
