@@ -9,20 +9,22 @@
 //! one request (warp `w` its tokens `16 w..16 w + 16`), the query fragments in registers for
 //! the whole kernel. Per tile of [`TILE`] positions:
 //! 1. the tile's keys and values arrive in shared memory by cp.async, issued one tile ahead
-//!    into the other of two buffers (positions past the cube's last visible one read that
-//!    one again: finite values, weighted 0);
+//!    into the other of two buffers (positions past the last one the cube sees in the chunk
+//!    read that one again: finite values, weighted 0);
 //! 2. each warp scores its 16 tokens against the 64 positions (`ldmatrix.x4` of the keys: two
 //!    k-steps a load);
 //! 3. the online softmax runs in registers: a unit holds two rows' running max and its own
 //!    share of their sums (the 4 units of a row agree on the max by `plane_shuffle_xor`; the
-//!    sums are added only at the end), the causal mask only on tiles that cross a row's
-//!    diagonal;
+//!    sums are added only at the end), the mask only on tiles that cross a row's diagonal
+//!    or the chunk's end;
 //! 4. the weights, rounded to bf16, are already the A fragments of weights x values (the
 //!    score accumulators of two n-tiles are one k-step's A operand), and the values come in
 //!    by `ldmatrix.trans`.
 //!
 //! No barrier inside a tile's math: a warp's rows are its own. The query blocks of a request
-//! are issued last block first, so the longest cubes (causal) start first.
+//! are issued last block first, so the longest cubes (causal) start first. A launch attends
+//! one chunk of the context (`heads.rs`'s `ContextRows`): after the first it starts from
+//! the output and log-sum-exp the chunk before left, and before the last it leaves them.
 //!
 //! Rounding: queries, keys, values and the softmax weights are rounded to bf16 for the
 //! tensor cores; `tolerance::attention_allowed` with bf16 operands bounds the first three's
