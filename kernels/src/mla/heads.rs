@@ -76,22 +76,8 @@ impl ContextRows {
     /// `max_rows` rows: the widest span of positions (a multiple of 64) whose rows fit, at
     /// least 64 (then a chunk may pass `max_rows` by up to 64 rows a request).
     pub fn new<R: Runtime>(client: &ComputeClient<R>, kv_lens: &[usize], max_rows: usize) -> Self {
-        let fits = |span: usize| kv_lens.iter().map(|&l| l.min(span)).sum::<usize>() <= max_rows;
         let longest = kv_lens.iter().copied().max().unwrap_or(0);
-        let mut span = longest.div_ceil(64).max(1) * 64;
-        if !fits(span) {
-            // Largest multiple of 64 that fits: `lo` fits (or is the least), `hi` does not.
-            let (mut lo, mut hi) = (1, span / 64);
-            while hi - lo > 1 {
-                let mid = (lo + hi) / 2;
-                if fits(mid * 64) {
-                    lo = mid;
-                } else {
-                    hi = mid;
-                }
-            }
-            span = lo * 64;
-        }
+        let span = chunk_span(kv_lens, max_rows);
         let chunks = (0..longest.div_ceil(span).max(1))
             .map(|k| {
                 let first_pos = k * span;
@@ -123,6 +109,34 @@ impl ContextRows {
     pub fn max_rows(&self) -> usize {
         self.chunks.iter().map(|c| c.rows).max().unwrap_or(0)
     }
+}
+
+/// Positions per chunk for requests of `kv_lens` positions in chunks of at most `max_rows`
+/// rows: the widest multiple of 64 whose rows fit (all of the longest context when they
+/// do), at least 64.
+fn chunk_span(kv_lens: &[usize], max_rows: usize) -> usize {
+    let fits = |span: usize| kv_lens.iter().map(|&l| l.min(span)).sum::<usize>() <= max_rows;
+    let whole = kv_lens
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .div_ceil(64)
+        .max(1);
+    if fits(whole * 64) {
+        return whole * 64;
+    }
+    // `lo` fits (or is the least), `hi` does not.
+    let (mut lo, mut hi) = (1, whole);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if fits(mid * 64) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo * 64
 }
 
 /// Grid: (16-row groups of the chunk's longest request, batch); [`CHUNK`] units. Reads
@@ -543,6 +557,16 @@ pub fn mla_prefill_heads<R: Runtime>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunks_are_the_widest_span_of_positions_whose_rows_fit() {
+        assert_eq!(chunk_span(&[100, 1000], usize::MAX), 1024, "whole");
+        assert_eq!(chunk_span(&[100, 1000], 1100), 1024, "exactly whole");
+        // 100 + 384 = 484 rows fit 500; 100 + 448 = 548 do not.
+        assert_eq!(chunk_span(&[100, 1000], 500), 384);
+        assert_eq!(chunk_span(&[1000, 1000], 64), 64, "at least 64 positions");
+        assert_eq!(chunk_span(&[], 10), 64);
+    }
 
     #[test]
     fn long_causal_spans_attend_per_head_and_the_rest_absorbed() {
