@@ -4,9 +4,13 @@
 pub mod device_time;
 pub mod report;
 
+use cubecl::prelude::*;
 use kiln_core::model::ModelConfig;
-use kiln_kernels::fill::Field;
+use kiln_kernels::fill::{fill_random_bits, fill_random_records, Field};
 use kiln_kernels::mla::KvFormat;
+use kiln_kernels::{DeviceArray, KernelError};
+use kiln_reference::formats::bf16_decode;
+use kiln_reference::mla::fp8_row_decode;
 
 /// Word `i` of a buffer filled on the device by `kiln_kernels::fill::fill_random_bits(seed,
 /// and_mask, or_mask)`, recomputed on the host (the same 32-bit hash), so a benchmark can
@@ -27,6 +31,53 @@ pub fn fp8_kv_scales() -> Field {
         words: 128..132,
         and_mask: 0x0380_0000,
         or_mask: 0x3c00_0000,
+    }
+}
+
+/// Masks of a random KV cache's words ([`fill_kv_cache`]): bf16 pairs with exponents
+/// 120..127 and any sign; fp8 rows: finite E4M3 codes and bf16 rope values (their scale
+/// words: [`fp8_kv_scales`]).
+const KV_BF16_MASKS: (u32, u32) = (0xBFFF_BFFF, 0x3C00_3C00);
+const KV_FP8_MASKS: (u32, u32) = (0x3FBF_3FBF, 0x3C00_3C00);
+
+/// Fills a KV cache of `format` with random valid rows from `seed` on the device;
+/// [`kv_cache_row`] recomputes any row on the host.
+pub fn fill_kv_cache<R: Runtime>(
+    client: &ComputeClient<R>,
+    data: &DeviceArray<u32>,
+    format: KvFormat,
+    seed: u32,
+) -> Result<(), KernelError> {
+    match format {
+        KvFormat::Fp8 => fill_random_records(client, data, seed, KV_FP8_MASKS, &fp8_kv_scales()),
+        _ => fill_random_bits(client, data, seed, KV_BF16_MASKS.0, KV_BF16_MASKS.1),
+    }
+}
+
+/// Row `row` of a cache [`fill_kv_cache`] filled with `seed`, decoded as the kernels see it
+/// (bf16 or fp8 rows).
+pub fn kv_cache_row(format: KvFormat, row: usize, seed: u32) -> Vec<f32> {
+    let words = format.words_per_row();
+    let ws: Vec<u32> = (0..words)
+        .map(|j| {
+            let i = (row * words + j) as u32;
+            let masks = if format == KvFormat::Fp8 {
+                fp8_kv_scales().masks_of(i, KV_FP8_MASKS)
+            } else {
+                KV_BF16_MASKS
+            };
+            fill_word(i, seed, masks.0, masks.1)
+        })
+        .collect();
+    match format {
+        KvFormat::Fp8 => {
+            let bytes: Vec<u8> = ws.iter().flat_map(|w| w.to_le_bytes()).collect();
+            fp8_row_decode(&bytes).to_vec()
+        }
+        _ => ws
+            .iter()
+            .flat_map(|&w| [bf16_decode(w as u16), bf16_decode((w >> 16) as u16)])
+            .collect(),
     }
 }
 

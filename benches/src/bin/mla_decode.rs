@@ -8,9 +8,9 @@
 //! Every point is validated before it is timed: for the last request of the batch, the
 //! first and last heads of every query token are recomputed by the reference
 //! (`kiln_reference::mla::mla_attention`) from KV rows regenerated on the host (the device
-//! fills the cache with `fill_random_bits`, whose hash is mirrored here), under
-//! `attention_allowed` with the kernel's operand type. Timing: `kiln_benches::device_time`
-//! (launches queued behind a spin kernel). The cache is replicated so that consecutive
+//! fills the cache with `kiln_benches::fill_kv_cache`, whose rows `kv_cache_row`
+//! recomputes), under `attention_allowed` with the kernel's operand type. Timing:
+//! `kiln_benches::device_time` (launches queued behind a spin kernel). The cache is replicated so that consecutive
 //! launches read different copies (>= 256 MB in all): L2 never holds the next launch's KV.
 //! Effective bandwidth = KV bytes of the visible rows (1152 per token for bf16, 656 for
 //! fp8) / time, against the 4.30 TB/s copy ceiling; FLOPs = 2 * heads * q * (576 + 512) per
@@ -26,21 +26,15 @@ mod decode {
     use cubecl::prelude::*;
     use kiln_benches::device_time::{Client, SpinTimer};
     use kiln_benches::report::{fixed, report};
-    use kiln_benches::{fill_word, fp8_kv_scales, HBM_BYTES_PER_S};
-    use kiln_kernels::fill::{fill_random_bits, fill_random_records};
+    use kiln_benches::{fill_kv_cache, kv_cache_row, HBM_BYTES_PER_S};
     use kiln_kernels::mla::{self, AttnMetadata, KvFormat, PagedKvCache};
     use kiln_kernels::{DeviceArray, Precision};
     use kiln_reference::data::{normal_with_outliers, Rng};
-    use kiln_reference::formats::bf16_decode;
-    use kiln_reference::mla::{fp8_row_decode, mla_attention, AttnBatch, PagedKv, KV_DIM};
+    use kiln_reference::mla::{mla_attention, AttnBatch, PagedKv, KV_DIM};
     use kiln_reference::tolerance::{attention_allowed, compare, DType};
 
     const PAGE: usize = 64;
     const SEED: u32 = 0x6d6c_6100;
-    /// Bits that keep every word a valid bf16 pair (exponents 120..127, any sign) and, for
-    /// fp8 rows, valid E4M3 codes and bf16 rope values (the scales: `fp8_kv_scales`).
-    const BF16_MASKS: (u32, u32) = (0xBFFF_BFFF, 0x3C00_3C00);
-    const FP8_MASKS: (u32, u32) = (0x3FBF_3FBF, 0x3C00_3C00);
 
     #[derive(serde::Serialize)]
     struct Point {
@@ -57,32 +51,6 @@ mod decode {
         max_err_over_allowed: f64,
     }
 
-    /// KV row `row` of the device cache, decoded as the kernel sees it.
-    fn host_row(format: KvFormat, row: usize) -> Vec<f32> {
-        let words = format.words_per_row();
-        let ws: Vec<u32> = (0..words)
-            .map(|j| {
-                let i = (row * words + j) as u32;
-                let masks = if format == KvFormat::Fp8 {
-                    fp8_kv_scales().masks_of(i, FP8_MASKS)
-                } else {
-                    BF16_MASKS
-                };
-                fill_word(i, SEED, masks.0, masks.1)
-            })
-            .collect();
-        match format {
-            KvFormat::Fp8 => {
-                let bytes: Vec<u8> = ws.iter().flat_map(|w| w.to_le_bytes()).collect();
-                fp8_row_decode(&bytes).to_vec()
-            }
-            _ => ws
-                .iter()
-                .flat_map(|&w| [bf16_decode(w as u16), bf16_decode((w >> 16) as u16)])
-                .collect(),
-        }
-    }
-
     struct Setup {
         cache: PagedKvCache,
         metas: Vec<AttnMetadata>,
@@ -95,12 +63,7 @@ mod decode {
         let copies = 256_000_000usize.div_ceil(bytes_per_copy).clamp(1, 32);
         let num_pages = copies * batch * pages_per_req;
         let data = DeviceArray::<u32>::uninit(client, num_pages * PAGE * format.words_per_row());
-        if format == KvFormat::Fp8 {
-            fill_random_records(client, &data, SEED, FP8_MASKS, &fp8_kv_scales())
-        } else {
-            fill_random_bits(client, &data, SEED, BF16_MASKS.0, BF16_MASKS.1)
-        }
-        .expect("cache fits u32 indexing");
+        fill_kv_cache(client, &data, format, SEED).expect("cache fits u32 indexing");
         let mut metas = Vec::new();
         let mut tables = Vec::new();
         for copy in 0..copies {
@@ -156,7 +119,7 @@ mod decode {
         let rows: Vec<f32> = table
             .iter()
             .flat_map(|&page| {
-                (0..PAGE).flat_map(move |s| host_row(format, page as usize * PAGE + s))
+                (0..PAGE).flat_map(move |s| kv_cache_row(format, page as usize * PAGE + s, SEED))
             })
             .collect();
         let kv = PagedKv {
@@ -204,12 +167,7 @@ mod decode {
             cmp.passed(),
             "{format:?} H={heads} B={batch} q={q_len} ctx={ctx}: {cmp}"
         );
-        Ok(actual
-            .iter()
-            .zip(&expected)
-            .zip(&allowed)
-            .map(|((&a, &e), &t)| (a as f64 - e).abs() / t)
-            .fold(0.0, f64::max))
+        Ok(cmp.worst_ratio)
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -24,15 +24,14 @@ mod prefill {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cubecl::prelude::*;
     use kiln_benches::device_time::{Client, SpinTimer};
-    use kiln_benches::fill_word;
     use kiln_benches::report::{fixed, report};
-    use kiln_kernels::fill::fill_random_bits;
+    use kiln_benches::{fill_kv_cache, kv_cache_row};
     use kiln_kernels::gemm::{bf16_gemm, Bf16Weights};
     use kiln_kernels::mla::{self, AttnMetadata, ContextRows, KvBShape, KvFormat, PagedKvCache};
     use kiln_kernels::{DeviceArray, Precision};
     use kiln_reference::absorb::KvB;
     use kiln_reference::data::{normal_with_outliers, Rng};
-    use kiln_reference::formats::{bf16_decode, bf16_encode, bf16_round, pack_u16_words};
+    use kiln_reference::formats::{bf16_encode, bf16_round, pack_u16_words};
     use kiln_reference::mla::{AttnBatch, PagedKv, KV_DIM, KV_LORA_RANK};
     use kiln_reference::mla_heads::mla_attention_heads;
     use kiln_reference::tolerance::{attention_allowed, compare, gamma, DType};
@@ -42,8 +41,6 @@ mod prefill {
     const NOPE: usize = 128;
     const V: usize = 128;
     const SEED: u32 = 0x6d6c_6101;
-    /// Every word a valid bf16 pair (exponents 120..127, any sign).
-    const MASKS: (u32, u32) = (0xBFFF_BFFF, 0x3C00_3C00);
     const SCALE: f32 = 0.1;
 
     #[derive(serde::Serialize)]
@@ -54,17 +51,6 @@ mod prefill {
         ms: f64,
         tflops: f64,
         max_err_over_allowed: Option<f64>,
-    }
-
-    /// Cache row `row` as the kernels decode it.
-    fn host_row(row: usize) -> Vec<f32> {
-        let words = KvFormat::Bf16.words_per_row();
-        (0..words)
-            .flat_map(|j| {
-                let w = fill_word((row * words + j) as u32, SEED, MASKS.0, MASKS.1);
-                [bf16_decode(w as u16), bf16_decode((w >> 16) as u16)]
-            })
-            .collect()
     }
 
     /// One request of `q_len` new tokens at the end of `ctx` positions, pages in order.
@@ -95,7 +81,9 @@ mod prefill {
         let kv = PagedKv {
             page_size: PAGE,
             num_pages: pages,
-            rows: (0..pages * PAGE).flat_map(host_row).collect(),
+            rows: (0..pages * PAGE)
+                .flat_map(|r| kv_cache_row(KvFormat::Bf16, r, SEED))
+                .collect(),
         };
         let width = NOPE + 64;
         // Head 0's rows of kv_b_proj: a one-head model of the same head.
@@ -139,12 +127,7 @@ mod prefill {
         }
         let cmp = compare(&actual, &expected, &allowed);
         anyhow::ensure!(cmp.passed(), "per-head q={q_len} ctx={ctx}: {cmp}");
-        Ok(actual
-            .iter()
-            .zip(&expected)
-            .zip(&allowed)
-            .map(|((&a, &e), &t)| (a as f64 - e).abs() / t)
-            .fold(0.0, f64::max))
+        Ok(cmp.worst_ratio)
     }
 
     /// Device ms per call of `launch`, a few calls behind the spin.
@@ -185,7 +168,7 @@ mod prefill {
             let pages = ctx.div_ceil(PAGE);
             let data =
                 DeviceArray::<u32>::uninit(&client, pages * PAGE * KvFormat::Bf16.words_per_row());
-            fill_random_bits(&client, &data, SEED, MASKS.0, MASKS.1)?;
+            fill_kv_cache(&client, &data, KvFormat::Bf16, SEED)?;
             let cache = PagedKvCache {
                 data,
                 format: KvFormat::Bf16,

@@ -406,11 +406,7 @@ pub fn mla_prefill_heads<R: Runtime>(
     let ranges = [
         ("nope (per-head keys)", shape.nope, 256),
         ("v (per-head values)", shape.v, 256),
-        (
-            "context rows of a chunk",
-            max_rows.max(1),
-            u32::MAX as usize,
-        ),
+        ("context rows of a chunk", max_rows, u32::MAX as usize),
     ];
     for (what, value, max) in ranges {
         if value == 0 || value > max {
@@ -477,8 +473,8 @@ pub fn mla_prefill_heads<R: Runtime>(
             from_state: k > 0,
             keep_state: k + 1 < chunks,
         };
-        let latent = DeviceArray::<f32>::uninit(client, chunk.rows.max(1) * V_DIM);
-        let rope = DeviceArray::<f32>::uninit(client, chunk.rows.max(1) * ROPE);
+        let latent = DeviceArray::<f32>::uninit(client, chunk.rows * V_DIM);
+        let rope = DeviceArray::<f32>::uninit(client, chunk.rows * ROPE);
         // SAFETY: lengths checked above; the metadata's device arrays are trusted.
         unsafe {
             read_rows_kernel::launch_unchecked::<R>(
@@ -500,10 +496,8 @@ pub fn mla_prefill_heads<R: Runtime>(
                 kv.format,
             )
         }
-        let expanded = DeviceArray::<f32>::uninit(client, chunk.rows.max(1) * heads * kv_width);
-        if chunk.rows > 0 {
-            bf16_gemm(client, &latent, chunk.rows, &weights, &expanded, precision)?;
-        }
+        let expanded = DeviceArray::<f32>::uninit(client, chunk.rows * heads * kv_width);
+        bf16_gemm(client, &latent, chunk.rows, &weights, &expanded, precision)?;
         if tensor_cores {
             let packed = heads_mma::pack(client, &expanded, &rope, chunk.rows, shape);
             heads_mma::attend(

@@ -7,6 +7,7 @@ mod cases;
 mod gemm;
 mod glue;
 mod mla;
+mod mla_heads;
 mod moe;
 mod page_copy;
 mod sample;

@@ -267,13 +267,11 @@ impl<R: Runtime> GpuModel<R> {
     /// portable per-head kernel would be slower than the absorbed tensor-core one.
     pub(super) fn plan(&self, batch: &Batch, pool: &KvPool) -> Result<Plan, ModelError> {
         let s = self.kv_b_shape;
-        let format = pool.caches.first().map(|c| c.format);
-        let (absorbed_tc, heads_tc) = format.map_or((false, false), |f| {
-            (
-                mla::uses_tensor_cores(&self.client, f, self.precision),
-                mla::heads_on_tensor_cores(&self.client, f, self.precision, s),
-            )
-        });
+        let absorbed_tc = pool
+            .caches
+            .first()
+            .is_some_and(|c| mla::uses_tensor_cores(&self.client, c.format, self.precision));
+        let heads_tc = self.per_head_on_tensor_cores(pool);
         // f32 expansion, and its bf16 copy for the tensor cores.
         let mut row_bytes = s.heads * (s.nope + s.v) * 4;
         if heads_tc {
