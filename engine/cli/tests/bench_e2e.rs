@@ -143,7 +143,8 @@ fn a_short_sweep_reports_every_metric_and_the_servers_cache_hit_rate() {
 }
 
 /// A Mooncake trace of `n` requests, 100 ms apart: four conversations whose turns extend
-/// their previous turn's blocks, behind a shared first block (the system prompt).
+/// their previous turn's blocks, behind a shared first block (the system prompt). Each
+/// prompt ends 200 tokens into its last block, as recorded prompts do.
 fn mooncake_trace(n: usize) -> String {
     let mut lines = String::new();
     for i in 0..n {
@@ -152,28 +153,58 @@ fn mooncake_trace(n: usize) -> String {
         hash_ids.extend((0..=turn).map(|t| 1 + (conversation * 100 + t) as u64));
         let input_length = hash_ids.len() * 512 - 200;
         lines += &format!(
-            "{{\"timestamp\": {}, \"input_length\": {input_length}, \"output_length\": 300, \"hash_ids\": {hash_ids:?}}}\n",
+            "{{\"timestamp\": {}, \"input_length\": {input_length}, \"output_length\": 100, \"hash_ids\": {hash_ids:?}}}\n",
             i * 100
         );
     }
     lines
 }
 
+/// The cached share of [`mooncake_trace`]'s prompt tokens at `block` tokens a block,
+/// when each turn finds `blocks(turn)` of its blocks cached, less `missed` blocks.
+fn trace_hit_rate(n: usize, block: usize, blocks: impl Fn(usize) -> usize, missed: usize) -> f64 {
+    let (mut prompt, mut cached) = (0, 0);
+    for turn in (0..n).map(|i| i / 4) {
+        prompt += (turn + 2) * block - 200 * block / 512;
+        cached += blocks(turn) * block;
+    }
+    (cached - missed * block) as f64 / prompt as f64
+}
+
 #[test]
 fn a_mooncake_trace_replays_closed_loop_and_on_its_clock() {
+    const REQUESTS: usize = 24;
     let dir = std::env::temp_dir().join(format!("kiln-bench-trace-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let trace = dir.join("trace.jsonl");
-    std::fs::write(&trace, mooncake_trace(24)).unwrap();
+    std::fs::write(&trace, mooncake_trace(REQUESTS)).unwrap();
     let server = Server::start(&[]);
-    let trace_args = ["--trace", trace.to_str().unwrap(), "--duration", "3"];
-    for (mode, extra, concurrency) in [
-        ("closed", vec!["--sweep", "2"], 2),
-        ("clock", vec!["--trace-clock", "--speedup", "2"], 0),
+    // Scale 1/8: 64-token blocks, the server's page size, so shared blocks are cacheable.
+    // The closed loop runs to the trace's end, and each turn is sent after the one before
+    // it in its conversation has its answer: it finds that turn's whole blocks cached
+    // (every turn the system prompt, but the first two requests, sent together). The
+    // timed replay then sends the same prompts (the same seed) on the trace's clock,
+    // whether the turn before is done or not, into a cache that holds the whole trace:
+    // each finds its own whole blocks. Neither rate depends on the machine's speed.
+    let closed = trace_hit_rate(REQUESTS, 64, |turn| turn.max(1), 2);
+    let clock = trace_hit_rate(REQUESTS, 64, |turn| turn + 1, 0);
+    let trace_args = ["--trace", trace.to_str().unwrap()];
+    for (mode, extra, concurrency, floor) in [
+        (
+            "closed",
+            vec!["--sweep", "2", "--duration", "600"],
+            2,
+            closed,
+        ),
+        (
+            "clock",
+            vec!["--trace-clock", "--speedup", "2", "--duration", "3"],
+            0,
+            clock,
+        ),
     ] {
         let json = dir.join(format!("{mode}.json"));
         let before = token_counters(&server);
-        // Scale 1/8: 64-token blocks, the server's page size, so shared blocks are cacheable.
         bench(
             &server,
             &json,
@@ -185,21 +216,29 @@ fn a_mooncake_trace_replays_closed_loop_and_on_its_clock() {
         let p = &report.points[0];
         assert_eq!(p.concurrency, concurrency, "{mode}");
         assert!(
-            p.requests > 0 && p.errors == 0,
-            "{mode}: {:?}",
+            p.requests == REQUESTS as u64 && p.errors == 0,
+            "{mode}: {} requests, {:?}",
+            p.requests,
             p.error_samples
         );
         assert!(
             p.ttft_s.is_some() && p.output_tps_per_user.is_some(),
             "{mode}"
         );
-        // Shared first blocks and growing conversations: most prompt tokens are cached.
+        let chr = p.cache_hit_rate.unwrap();
         assert!(
-            p.cache_hit_rate.unwrap() > 0.3,
-            "{mode}: CHR {:?}",
-            p.cache_hit_rate
+            chr >= floor - 1e-9,
+            "{mode}: CHR {chr} below the trace's {floor}"
         );
         assert_server_agrees(&report, before, token_counters(&server));
+        if mode == "clock" {
+            // The last request leaves 2.3 s into the trace: 1.15 s at twice its speed.
+            assert!(
+                p.elapsed_s >= 1.15,
+                "sent ahead of the clock: {}",
+                p.elapsed_s
+            );
+        }
     }
     drop(server);
     std::fs::remove_dir_all(&dir).unwrap();
