@@ -125,6 +125,8 @@ pub struct Metrics {
     pub requests_aborted: Counter,
     pub requests_rejected: Counter,
     pub preemptions: Counter,
+    /// Requests that waited for a running prefill of their prefix before starting.
+    pub prefill_waits: Counter,
     pub steps: Counter,
     /// Steps planned and issued while the step before was still on the device.
     pub overlapped_steps: Counter,
@@ -167,6 +169,7 @@ impl Default for Metrics {
             requests_aborted: Counter::default(),
             requests_rejected: Counter::default(),
             preemptions: Counter::default(),
+            prefill_waits: Counter::default(),
             overlapped_steps: Counter::default(),
             steps: Counter::default(),
             step_times: Default::default(),
@@ -378,6 +381,11 @@ impl Metrics {
             "preemptions_total",
             "Requests preempted to free KV pages.",
             self.preemptions.get(),
+        );
+        counter(
+            "prefill_waits_total",
+            "Requests that waited for a running prefill of their prefix, to reuse it.",
+            self.prefill_waits.get(),
         );
         counter("steps_total", "Forward steps run.", self.steps.get());
         counter(

@@ -199,3 +199,35 @@ async fn later_turns_hit_the_host_tier_and_answer_as_a_pool_that_holds_everythin
     assert!(tiered.metric("kiln_kv_bytes_to_device_total") > 0.0);
     assert!(tiered.metric("kiln_kv_host_pages") > 0.0);
 }
+
+/// Requests sent together with one long prefix (an agent's parallel calls): each but the
+/// first finds the prefix's whole pages cached, whether it came while the first was
+/// prefilling (it waits for that prefill) or after, and the greedy outputs are those of
+/// the same requests sent one at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_sent_together_share_their_prefix_and_answer_as_sent_one_by_one() {
+    let page = ["--page-size", "16"];
+    let together = Server::start(&page);
+    let one_by_one = Server::start(&page);
+    let prefix: Vec<u32> = (0..320u32).map(|t| 5 + (t * 29) % 400).collect();
+    let bodies: Vec<Value> = (0..4u32)
+        .map(|i| {
+            let tail = (0..10 + i).map(|t| 5 + (t * 17 + i * 53) % 400);
+            greedy(&prefix.iter().copied().chain(tail).collect::<Vec<_>>(), 6)
+        })
+        .collect();
+    let sent_together = generate_all(&together, &bodies).await;
+    let mut cached = Vec::new();
+    for (i, (body, (status, reply))) in bodies.iter().zip(&sent_together).enumerate() {
+        let (alone_status, alone) = generate_all(&one_by_one, &[body.clone()]).await.remove(0);
+        assert_eq!((*status, alone_status), (200, 200), "{reply} {alone}");
+        assert_eq!(reply["output_ids"], alone["output_ids"], "request {i}");
+        cached.push(reply["meta_info"]["cached_tokens"].as_u64().unwrap());
+    }
+    cached.sort();
+    assert_eq!(cached[0], 0, "one request computes the prefix: {cached:?}");
+    assert!(
+        cached[1..].iter().all(|&c| c >= 320),
+        "the others reuse its 20 pages: {cached:?}"
+    );
+}

@@ -182,17 +182,23 @@ impl Scheduler {
                 (None, true) => continue,
                 (None, false) => panic!("a planned request is running"),
             };
-            if step.advanced {
-                if r.unresolved != Some(i) {
-                    continue; // mid-prefill, or preempted since
+            let mid_prefill = match step.advanced {
+                // (or preempted since, and back with no token in flight)
+                true => r.unresolved != Some(i),
+                false => {
+                    r.computed += slice.tokens;
+                    r.pending() > 0
                 }
+            };
+            if mid_prefill {
+                // No token yet. The chunk's whole pages are shared at once, with requests
+                // that arrive with the same prefix and those that wait for it (`admit`).
+                cache_computed(&mut *self.cache, &mut self.pool, self.cfg.page_size, r);
+                continue;
+            }
+            if step.advanced {
                 r.unresolved = None;
                 r.tokens.pop();
-            } else {
-                r.computed += slice.tokens;
-                if r.pending() > 0 {
-                    continue; // mid-prefill: no token yet
-                }
             }
             let prompt_done = slice.prompt_done;
             match r.last_token_at {

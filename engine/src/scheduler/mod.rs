@@ -8,6 +8,11 @@
 //! mostly a cache hit). The oldest request is never preempted for a newer one, and every
 //! admitted request fits the pool alone, so some request always makes progress.
 //!
+//! A prefill's whole pages go to the prefix cache chunk by chunk, and a waiting request
+//! whose prompt shares more whole pages with a running prefill than the cache gives it
+//! yet waits for that prefill instead of computing the same prefix beside it (requests
+//! behind it that share nothing go ahead).
+//!
 //! Host-side only: [`Scheduler::schedule`] returns a [`Step`] (a model [`Batch`], whose
 //! rows carry how each is sampled on the device), [`Scheduler::complete`] takes its tokens,
 //! or its rows of logits where a sampled or constrained request's draft needs them
@@ -43,6 +48,10 @@ use crate::speculative::{
 
 /// Fewest pages one eviction frees when the free list runs short.
 const EVICT_BATCH: usize = 16;
+
+/// Most waiting requests one admission looks at past those that wait for a running
+/// prefill (each look is a cache lookup and a prompt comparison).
+const ADMISSION_SCAN: usize = 64;
 
 /// Limits the scheduler works within.
 #[derive(Clone, Debug)]
@@ -546,16 +555,21 @@ impl Scheduler {
         self.waiting.push_front(r);
     }
 
-    /// Admits the first waiting request with its first chunk; `None` if none waits or its
+    /// Admits the first waiting request that need not wait for a running prefill
+    /// ([`Self::waits_for_prefill`]) with its first chunk; `None` if there is none or its
     /// pages cannot be had without preempting (new requests never preempt running ones).
     ///
     /// A hit's host pages are brought back into pages allocated with the chunk's: as many as
     /// the host tier still has once those are taken (taking them may evict).
     fn admit(&mut self, budget: usize) -> Option<usize> {
-        let r = self.waiting.front()?;
         let page = self.cfg.page_size;
-        let hit = self.cache.lookup(&r.tokens);
-        let reusable = policy::reusable_pages(hit.device.len() + hit.host, r.tokens.len(), page);
+        let (at, hit, reusable) = (0..self.waiting.len().min(ADMISSION_SCAN)).find_map(|w| {
+            let tokens = &self.waiting[w].tokens;
+            let hit = self.cache.lookup(tokens);
+            let reusable = policy::reusable_pages(hit.device.len() + hit.host, tokens.len(), page);
+            (!self.waits_for_prefill(w, reusable)).then_some((w, hit, reusable))
+        })?;
+        let r = &self.waiting[at];
         let device = &hit.device[..reusable.min(hit.device.len())];
         let host = reusable - device.len();
         self.pool.retain(device);
@@ -565,7 +579,7 @@ impl Scheduler {
             self.pool.release(device);
             return None;
         };
-        let mut r = self.waiting.pop_front().expect("looked at above");
+        let mut r = self.waiting.remove(at).expect("looked at above");
         let promoted = (self.cache).promote(&r.tokens, device.len(), &new[..host], &mut self.pool);
         let computed = (device.len() + promoted) * page;
         if r.cached.is_none() {
@@ -581,9 +595,40 @@ impl Scheduler {
             tracing::debug!(id = r.id, session = ?r.session, cached = computed, "admitted");
         }
         r.computed = computed;
+        r.in_cache = device.len() + promoted;
         r.pages = device.iter().copied().chain(new).collect();
         self.running.push(r);
         Some(n)
+    }
+
+    /// Whether waiting request `w`, which the cache gives `cached` whole pages now, is
+    /// better started later: a running request whose prompt's pages the cache does not
+    /// all hold yet (it is prefilling, or its last chunk is in flight) shares more whole
+    /// pages with `w`'s prompt ([`policy::waits_for_prefill`]), and the cache will hold
+    /// them chunk by chunk as they are computed. Requests sent together with one long prefix
+    /// (an agent's parallel calls, retries) then compute it once.
+    fn waits_for_prefill(&mut self, w: usize, cached: usize) -> bool {
+        let tokens = &self.waiting[w].tokens;
+        let page = self.cfg.page_size;
+        let waits = self
+            .running
+            .iter()
+            .filter(|r| r.in_cache < r.prompt_len / page && r.stalled_since.is_none())
+            .any(|r| {
+                let shared = common_prefix(tokens, &r.tokens[..r.prompt_len]) / page;
+                policy::waits_for_prefill(cached, shared, tokens.len(), page)
+            });
+        let r = &mut self.waiting[w];
+        if waits && !r.waited_for_prefill {
+            r.waited_for_prefill = true;
+            self.metrics.prefill_waits.add(1);
+            tracing::debug!(
+                id = r.id,
+                cached,
+                "waits for a running prefill of its prefix"
+            );
+        }
+        waits
     }
 
     /// A request leaves: its computed pages go to the cache, its references are dropped,
@@ -655,6 +700,7 @@ fn cache_computed(
 ) {
     let full = r.computed / page_size;
     let cached = cache.insert(&r.tokens[..full * page_size], &r.pages[..full], pool);
+    r.in_cache = full;
     for (mine, theirs) in r.pages.iter_mut().zip(cached) {
         if *mine != theirs {
             pool.retain(&[theirs]);
@@ -662,6 +708,11 @@ fn cache_computed(
             *mine = theirs;
         }
     }
+}
+
+/// How many leading tokens `a` and `b` have in common.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 #[cfg(test)]

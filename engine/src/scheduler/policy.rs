@@ -23,6 +23,13 @@ pub fn reusable_pages(hit_pages: usize, tokens: usize, page_size: usize) -> usiz
     hit_pages.min(tokens.saturating_sub(1) / page_size)
 }
 
+/// Whether a new request that may reuse `cached` pages now should rather wait for a
+/// running prefill whose prompt shares `shared` whole pages with its `tokens`: once they
+/// are computed (and cached, chunk by chunk) it reuses more than it can now.
+pub fn waits_for_prefill(cached: usize, shared: usize, tokens: usize, page_size: usize) -> bool {
+    reusable_pages(shared, tokens, page_size) > cached
+}
+
 /// Whether a request fits the pool at all: its longest possible context in pages.
 pub fn fits_pool(prompt: usize, max_tokens: usize, page_size: usize, pool_pages: usize) -> bool {
     (prompt + max_tokens).div_ceil(page_size) <= pool_pages
@@ -65,6 +72,17 @@ mod tests {
         assert_eq!(reusable_pages(2, 128, 64), 1);
         assert_eq!(reusable_pages(2, 129, 64), 2);
         assert_eq!(reusable_pages(5, 1, 64), 0);
+    }
+
+    #[test]
+    fn a_request_waits_only_for_a_prefill_that_gives_it_more_than_the_cache() {
+        // 1000 tokens in pages of 64: at most 15 pages are reusable.
+        assert!(waits_for_prefill(0, 1, 1000, 64));
+        assert!(waits_for_prefill(3, 15, 1000, 64));
+        assert!(!waits_for_prefill(3, 3, 1000, 64));
+        assert!(!waits_for_prefill(15, 20, 1000, 64));
+        // The shared pages hold the whole prompt: its last token still runs, on its own.
+        assert!(!waits_for_prefill(0, 1, 64, 64));
     }
 
     #[test]

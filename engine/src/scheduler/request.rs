@@ -142,6 +142,8 @@ pub(crate) struct Request {
     pub pages: Vec<u32>,
     /// Tokens whose KV is in `pages`.
     pub computed: usize,
+    /// Leading whole pages of `pages` that the prefix cache holds too.
+    pub in_cache: usize,
     /// Prompt tokens the cache supplied at first admission (`None` until admitted).
     pub cached: Option<usize>,
     pub events: Sender<Event>,
@@ -159,6 +161,8 @@ pub(crate) struct Request {
     /// `Some(row)`: its last token was sampled on the device at this row of the step in
     /// flight and is not known here yet (`tokens` ends in [`UNRESOLVED`] in its place).
     pub unresolved: Option<usize>,
+    /// It has waited for a running request's prefill of its prefix (counted once).
+    pub waited_for_prefill: bool,
 }
 
 /// The id a request's last token has in `tokens` until its step's tokens are read
@@ -176,6 +180,7 @@ impl Request {
             params: s.params,
             pages: Vec::new(),
             computed: 0,
+            in_cache: 0,
             cached: None,
             events: s.events,
             ended_by_client: s.ended_by_client,
@@ -187,6 +192,7 @@ impl Request {
             spec_accepted: 0,
             acceptance: Acceptance::default(),
             unresolved: None,
+            waited_for_prefill: false,
         }
     }
 

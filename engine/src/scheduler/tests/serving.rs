@@ -86,6 +86,84 @@ fn a_repeated_prompt_reuses_every_whole_cached_page() {
 }
 
 #[test]
+fn requests_sent_together_with_one_prefix_compute_it_once() {
+    for overlap in [false, true] {
+        // Chunks of 16 tokens: the 40-token prefix takes three steps to prefill.
+        let mut run = Run::new(config(4, 16, 8), 256);
+        run.overlap = overlap;
+        let prefix: Vec<u32> = (1..=40).collect();
+        let prompts: Vec<Vec<u32>> = (0..3u32)
+            .map(|i| {
+                prefix
+                    .iter()
+                    .copied()
+                    .chain(100 + 10 * i..105 + 10 * i)
+                    .collect()
+            })
+            .collect();
+        let mut rxs: Vec<_> = (0..3)
+            .map(|i| run.submit(i as u64, prompts[i].clone(), 4))
+            .collect();
+        let mut prefilled = 0;
+        while let Some(lens) = run.step() {
+            prefilled += lens.iter().filter(|&&n| n > 1).sum::<usize>();
+        }
+        assert!(run.sched.is_idle());
+        let cached: Vec<usize> = (rxs.iter_mut().zip(&prompts))
+            .map(|(rx, prompt)| {
+                let (tokens, usage) = outcome(rx);
+                assert_eq!(tokens, alone(prompt, 4), "overlap {overlap}");
+                usage.unwrap().cached_tokens
+            })
+            .collect();
+        assert_eq!(
+            cached,
+            [0, 40, 40],
+            "overlap {overlap}: 10 whole pages shared"
+        );
+        assert_eq!(prefilled, 45 + 5 + 5, "overlap {overlap}: the prefix once");
+        assert_eq!(run.metrics.prefill_waits.get(), 2);
+    }
+}
+
+#[test]
+fn a_request_sharing_a_running_prefill_waits_for_it_and_others_go_ahead() {
+    let mut run = Run::new(config(4, 64, 8), 256);
+    let long: Vec<u32> = (1..=100).collect();
+    let mut first = run.submit(0, long.clone(), 3);
+    run.step();
+    // 64 of its tokens are computed, and their 16 pages cached with the chunk. Next step
+    // it prefills its last 36 and leaves room for others.
+    let sharing: Vec<u32> = long[..90].iter().copied().chain([7, 7, 7]).collect();
+    let mut second = run.submit(1, sharing.clone(), 3);
+    let other: Vec<u32> = vec![9; 10];
+    let mut third = run.submit(2, other.clone(), 3);
+    run.step();
+    let running: Vec<u64> = run.sched.running.iter().map(|r| r.id).collect();
+    assert_eq!(
+        running,
+        [0, 2],
+        "the unrelated request starts, the sharing one waits"
+    );
+    run.run_to_end();
+    let outcomes = [
+        (&mut first, &long, 0),
+        (&mut second, &sharing, 88),
+        (&mut third, &other, 0),
+    ];
+    for (rx, prompt, cached) in outcomes {
+        let (tokens, usage) = outcome(rx);
+        assert_eq!(tokens, alone(prompt, 3));
+        assert_eq!(
+            usage.unwrap().cached_tokens,
+            cached,
+            "22 whole pages shared"
+        );
+    }
+    assert_eq!(run.metrics.prefill_waits.get(), 1);
+}
+
+#[test]
 fn a_cancelled_request_returns_its_pages() {
     let mut run = Run::new(config(4, 256, 8), 64);
     let rx = run.submit(0, vec![3; 40], 100);
