@@ -408,6 +408,10 @@ fn run<'m, R: Runtime>(
     overlap: bool,
 ) {
     let mut in_flight: Option<InFlight> = None;
+    // When the latest step's tokens were read: a step's time runs from then or from its
+    // planning, whichever is later (an overlapped step is planned before the one before
+    // it ends), so a step's time is what it adds to the run.
+    let mut last_read = Instant::now();
     loop {
         // Idle: block for work (waking now and then to notice a closed channel).
         while in_flight.is_none() && sched.is_idle() {
@@ -425,7 +429,7 @@ fn run<'m, R: Runtime>(
         sched.abort_stalled(start);
         let Some(mut step) = sched.schedule() else {
             match in_flight.take() {
-                Some(f) => f.finish(sched, vocab, metrics),
+                Some(f) => f.finish(sched, vocab, metrics, &mut last_read),
                 // Waiting requests that cannot start yet: wait for new work, not spin.
                 None => std::thread::sleep(Duration::from_millis(1)),
             }
@@ -445,7 +449,7 @@ fn run<'m, R: Runtime>(
         // The step before ends while this one runs.
         if let Some(f) = in_flight.take() {
             metrics.overlapped_steps.add(1);
-            f.finish(sched, vocab, metrics);
+            f.finish(sched, vocab, metrics, &mut last_read);
         }
         match launched {
             Ok(launched) => {
@@ -460,7 +464,7 @@ fn run<'m, R: Runtime>(
                 };
                 match f.step.is_advanced() {
                     true => in_flight = Some(f),
-                    false => f.finish(sched, vocab, metrics),
+                    false => f.finish(sched, vocab, metrics, &mut last_read),
                 }
             }
             Err(e) => {
@@ -481,8 +485,16 @@ struct InFlight<'m> {
 }
 
 impl InFlight<'_> {
-    /// Waits for the step, hands its tokens to the scheduler and records its times.
-    fn finish(self, sched: &mut Scheduler, vocab: usize, metrics: &Metrics) {
+    /// Waits for the step, hands its tokens to the scheduler and records its times (the
+    /// draft policy's from `last_read`, the time the step before's tokens were read, if
+    /// later than its planning; moved to now).
+    fn finish(
+        self,
+        sched: &mut Scheduler,
+        vocab: usize,
+        metrics: &Metrics,
+        last_read: &mut Instant,
+    ) {
         let InFlight {
             step,
             launched,
@@ -498,6 +510,8 @@ impl InFlight<'_> {
             }
         };
         let ran = Instant::now();
+        let took = ran - start.max(*last_read);
+        *last_read = ran;
         let kind = if step.is_decode() {
             StepKind::Decode
         } else {
@@ -518,7 +532,7 @@ impl InFlight<'_> {
         };
         sched.complete(step, scores);
         if let Some(shape) = shape {
-            sched.observe_step(shape, start.elapsed().as_secs_f64());
+            sched.observe_step(shape, took.as_secs_f64());
         }
         metrics.record_step(
             kind,

@@ -28,18 +28,21 @@ async fn speculative_decoding_over_http_gives_the_same_greedy_tokens() {
     let plain = Server::start(&[]);
     // Drafting at every step (the measured policy would stop where verification on
     // llvmpipe costs more than it earns): the most drafts to check.
-    let spec_args = |drafter| {
+    let spec_args = |drafter, policy| {
         [
             "--speculative",
             drafter,
             "--max-draft-tokens",
             "4",
             "--draft-policy",
-            "fixed",
+            policy,
         ]
     };
-    let spec = Server::start(&spec_args("ngram"));
-    let suffix = Server::start(&spec_args("suffix"));
+    let spec = Server::start(&spec_args("ngram", "fixed"));
+    let suffix = Server::start(&spec_args("suffix", "fixed"));
+    // The measured policy drafts where it pays and overlaps the steps where it drafts
+    // nothing (which steps those are depends on llvmpipe's timings).
+    let measured = Server::start(&spec_args("suffix", "measured"));
     let prompts: Vec<Vec<u32>> = (0..12u32)
         .map(|i| match i % 3 {
             0 => (0..30).map(|t| 5 + (t + i) % 6).collect(),
@@ -53,15 +56,21 @@ async fn speculative_decoding_over_http_gives_the_same_greedy_tokens() {
         })
         .collect();
     let bodies: Vec<Value> = prompts.iter().map(|p| greedy(p, 40)).collect();
-    let (a, b, c) = tokio::join!(
+    let (a, b, c, d) = tokio::join!(
         generate_all(&plain, &bodies),
         generate_all(&spec, &bodies),
-        generate_all(&suffix, &bodies)
+        generate_all(&suffix, &bodies),
+        generate_all(&measured, &bodies)
     );
     for (i, (((sa, ra), (sb, rb)), (sc, rc))) in a.iter().zip(&b).zip(&c).enumerate() {
         assert_eq!((*sa, *sb, *sc), (200, 200, 200), "{ra} {rb} {rc}");
         assert_eq!(ra["output_ids"], rb["output_ids"], "prompt {i}, ngram");
         assert_eq!(ra["output_ids"], rc["output_ids"], "prompt {i}, suffix");
+        assert_eq!(d[i].0, 200, "{}", d[i].1);
+        assert_eq!(
+            ra["output_ids"], d[i].1["output_ids"],
+            "prompt {i}, measured"
+        );
     }
     assert!(spec.metric("kiln_spec_drafted_tokens_total") > 0.0);
     assert!(suffix.metric("kiln_spec_drafted_tokens_total") > 0.0);
@@ -73,6 +82,11 @@ async fn speculative_decoding_over_http_gives_the_same_greedy_tokens() {
         .sum();
     assert!(verified > 0, "meta_info reports verification steps");
     eprintln!("accepted {accepted} drafted tokens over {verified} verification steps");
+    eprintln!(
+        "measured policy: {} tokens drafted, {} steps overlapped",
+        measured.metric("kiln_spec_drafted_tokens_total"),
+        measured.metric("kiln_overlapped_steps_total")
+    );
 }
 
 /// The overlapped schedule (the default: each step planned and issued while the one before

@@ -80,6 +80,9 @@ pub struct Step {
     pub copies: Vec<KvCopy>,
     /// [`Scheduler::advance`] ran: its requests' KV counts and placeholders are in place.
     advanced: bool,
+    /// The draft policy gave drafts to requests whose last token was still on the device
+    /// (a drafter reads known tokens): the step after this one must have its tokens.
+    drafts_wanted: bool,
 }
 
 impl Step {
@@ -158,7 +161,8 @@ impl Scheduler {
     }
 
     /// A decode step of shape `(requests, tokens)` ([`Step::decode_shape`]) took
-    /// `seconds`, planning to sampling: what the draft policy sizes drafts by.
+    /// `seconds`, what it added to the run (planning to sampling, or from the step before's
+    /// tokens where it overlapped that step): what the draft policy sizes drafts by.
     pub fn observe_step(&mut self, (requests, rows): (usize, usize), seconds: f64) {
         self.costs.observe(requests, rows, seconds);
     }
@@ -254,7 +258,7 @@ impl Scheduler {
         let mut plan: Vec<usize> = vec![0; self.running.len()];
         let mut drafts: Vec<Draft> = vec![Draft::default(); self.running.len()];
         let decoding = self.decoding();
-        let limits = self.draft_limits(decoding, now);
+        let (limits, drafts_wanted) = self.draft_limits(decoding, now);
         // A running request left out for lack of pages: newcomers must not take them.
         let mut starved = false;
         // Decode first, then prefill chunks, each in admission order.
@@ -386,16 +390,22 @@ impl Scheduler {
             slices,
             copies,
             advanced: false,
+            drafts_wanted,
         })
     }
 
     /// Whether `step` may be [advanced](Self::advance) before its tokens are known: it
     /// samples every row on the device and nothing about the step after it depends on
-    /// its tokens but their ids (no drafts to propose or verify, no hidden states, no
-    /// grammar whose next mask follows the token).
+    /// its tokens but their ids (no drafts to verify, none the draft policy wants next, no
+    /// hidden states, no grammar whose next mask follows the token). With speculation on,
+    /// the steps where the policy drafts nothing overlap as they do without it.
     pub fn can_overlap(&self, step: &Step) -> bool {
         let b = &step.batch;
-        self.drafter.is_none() && b.sampling.is_some() && b.capture.is_empty() && b.masks.is_empty()
+        !step.drafts_wanted
+            && step.slices.iter().all(|s| s.draft.is_empty())
+            && b.sampling.is_some()
+            && b.capture.is_empty()
+            && b.masks.is_empty()
     }
 
     /// Books `step` as run before its tokens are read, so the next step can be planned
@@ -421,10 +431,12 @@ impl Scheduler {
     /// Most tokens each running request drafts this step: none unless it decodes; else
     /// its limits ([`draft_len`] within the whole step's budget) and, within them, what
     /// the draft policy gives it (nothing in a step that measures the plain step again).
-    fn draft_limits(&mut self, decoding: usize, now: Instant) -> Vec<usize> {
+    /// A request whose last token is still on the device drafts nothing; the flag says
+    /// the policy gave one of those a draft.
+    fn draft_limits(&mut self, decoding: usize, now: Instant) -> (Vec<usize>, bool) {
         let mut limits = vec![0; self.running.len()];
         let Some(spec) = self.cfg.speculative else {
-            return limits;
+            return (limits, false);
         };
         let decodes: Vec<usize> = (0..self.running.len())
             .filter(|&i| self.running[i].decodes() && self.running[i].stalled_since.is_none())
@@ -464,15 +476,18 @@ impl Scheduler {
                 given
             }
         };
+        let mut wanted = false;
         for (i, n) in decodes.into_iter().zip(given) {
-            limits[i] = n;
-            if n == 0 {
+            let r = &mut self.running[i];
+            match (n, r.unresolved) {
                 // No news of its drafts this step: its own estimate fades toward all
                 // requests', so acceptance that returns can be tried again.
-                self.running[i].acceptance.fade();
+                (0, _) => r.acceptance.fade(),
+                (_, Some(_)) => wanted = true,
+                (n, None) => limits[i] = n,
             }
         }
-        limits
+        (limits, wanted)
     }
 
     /// A draft of at most `most` tokens for decoding request `i` (empty when speculation

@@ -67,6 +67,44 @@ fn dear((requests, rows): (usize, usize)) -> f64 {
     0.010 * rows as f64 / requests as f64
 }
 
+/// With the overlapped schedule, speculation overlaps the steps where the policy drafts
+/// nothing, as plain decoding does, and not the drafted ones (verifying and drafting need
+/// the tokens); the tokens are plain decoding's either way.
+#[test]
+fn steps_the_policy_drafts_nothing_in_overlap_and_drafted_ones_do_not() {
+    let mut cfg = config(4, 256, 8);
+    cfg.eos_token_ids.clear();
+    let prompts: Vec<Vec<u32>> = (0..4).map(periodic_prompt).collect();
+    let (plain, _, m0) = run_all(cfg.clone(), 512, periodic, &prompts, 60);
+    for (cost, drafts_pay) in [(dear as StepCost, false), (cheap, true)] {
+        let mut run = Run::new(measured(cfg.clone(), 4), 512);
+        run.kv.model = periodic;
+        run.cost = Some(cost);
+        run.overlap = true;
+        let mut rxs: Vec<_> = (prompts.iter().enumerate())
+            .map(|(i, p)| run.submit(i as u64, p.clone(), 60))
+            .collect();
+        run.run_to_end();
+        let got: Vec<Vec<u32>> = rxs.iter_mut().map(|rx| outcome(rx).0).collect();
+        assert_eq!(got, plain, "drafts pay: {drafts_pay}");
+        let (steps, fed) = (run.metrics.steps.get() as usize, run.fed_steps);
+        let drafted = run.metrics.spec_drafted_tokens.get();
+        match drafts_pay {
+            // It drafts nearly all along (a plain step now and then, to measure it): few
+            // steps, and most of them not overlapped.
+            true => {
+                assert!(steps * 2 < m0.steps.get() as usize, "{steps} steps");
+                assert!(fed * 2 < steps, "{fed} of {steps} steps overlapped");
+            }
+            // It stops drafting after a try: then the steps overlap.
+            false => {
+                assert!(drafted <= 16, "{drafted} drafted");
+                assert!(fed + 4 >= steps, "{fed} of {steps} steps overlapped");
+            }
+        }
+    }
+}
+
 #[test]
 fn the_measured_policy_drafts_only_where_verification_pays() {
     let mut cfg = config(4, 256, 8);
