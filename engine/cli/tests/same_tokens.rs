@@ -233,7 +233,9 @@ async fn requests_sent_together_share_their_prefix_and_answer_as_sent_one_by_one
     let sent_together = generate_all(&together, &bodies).await;
     let mut cached = Vec::new();
     for (i, (body, (status, reply))) in bodies.iter().zip(&sent_together).enumerate() {
-        let (alone_status, alone) = generate_all(&one_by_one, &[body.clone()]).await.remove(0);
+        let (alone_status, alone) = generate_all(&one_by_one, std::slice::from_ref(body))
+            .await
+            .remove(0);
         assert_eq!((*status, alone_status), (200, 200), "{reply} {alone}");
         assert_eq!(reply["output_ids"], alone["output_ids"], "request {i}");
         cached.push(reply["meta_info"]["cached_tokens"].as_u64().unwrap());
