@@ -1,7 +1,8 @@
 //! Host-side engine overhead (criterion, CPU only): the prefix cache's match + insert of a
 //! 100k-token request among 1,000 cached sessions, and one scheduling step of 256 running
 //! decode requests. Targets (issue 5): < 1 ms and < 200 us, so a GPU step of a few
-//! milliseconds never waits on the host. And drafting (issue 27): each drafter's (n-gram,
+//! milliseconds never waits on the host. A step in which 64 requests are found to wait
+//! for a running 100k-token prefill that shares their prefix (admission's added work). And drafting (issue 27): each drafter's (n-gram,
 //! suffix) work for one request per step at a 100k-token context, < 50 us; and its first proposal
 //! for a request, which indexes the whole context once, or, for an agent's next turn, takes
 //! the previous turn's index over and indexes only the new tokens.
@@ -141,6 +142,73 @@ fn scheduling(c: &mut Criterion) {
     });
 }
 
+/// A scheduler whose one running request prefills a 100k-token prompt in 8k-token chunks,
+/// all but the last done, and `waiting` requests, queued after it, that extend its first
+/// 99k tokens by 512 of their own (an agent's parallel calls on one history). Its next
+/// step leaves room in the budget, so admission looks at them: they share pages of the
+/// last chunk, which the cache does not hold yet, so each waits.
+fn waiting_on_a_prefill(waiting: usize) -> Scheduler {
+    let cfg = SchedulerConfig {
+        page_size: PAGE,
+        max_batch_tokens: 8192,
+        max_running: 256,
+        context_len: 1 << 20,
+        eos_token_ids: vec![],
+        stall_timeout: std::time::Duration::from_secs(60),
+        speculative: None,
+    };
+    let pages = (waiting + 1) * (CONTEXT / PAGE + 16);
+    let cache = Box::new(RadixCache::new(PAGE));
+    let mut sched = Scheduler::new(cfg, pages, cache, Arc::new(Metrics::default()));
+    let mut rng = Rng::new(5);
+    let history = tokens(&mut rng, CONTEXT);
+    let submit = |sched: &mut Scheduler, id, prompt| {
+        let (events, _) = tokio::sync::mpsc::channel(kiln::scheduler::EVENT_BUFFER);
+        sched.add(Submission {
+            id,
+            prompt,
+            params: SamplingParams::default(),
+            session: None,
+            events,
+            ended_by_client: Default::default(),
+            constraint: None,
+        });
+    };
+    submit(&mut sched, 0, history.clone());
+    for _ in 0..CONTEXT / 8192 {
+        step(&mut sched);
+    }
+    for id in 1..=waiting as u64 {
+        let mut prompt = history[..CONTEXT - 1000].to_vec();
+        prompt.extend(tokens(&mut rng, TURN));
+        submit(&mut sched, id, prompt);
+    }
+    sched
+}
+
+/// One step: planned, and completed with a row of logits for each request.
+fn step(sched: &mut Scheduler) {
+    let step = sched.schedule().expect("work");
+    let rows = step.batch.requests.len();
+    assert_eq!(rows, 1, "only the prefill runs: {}", sched.describe());
+    sched.complete(step, Scores::Logits(&vec![0.5; rows * 64], 64));
+}
+
+/// Admission while requests wait for a running prefill of their prefix: the step in which
+/// each is looked at (a cache lookup and a comparison with the prefill's prompt).
+fn admission(c: &mut Criterion) {
+    c.bench_function(
+        "scheduling step, 64 requests found to wait for a 100k-token prefill",
+        |b| {
+            b.iter_batched(
+                || waiting_on_a_prefill(64),
+                |mut s| step(&mut s),
+                BatchSize::LargeInput,
+            )
+        },
+    );
+}
+
 /// A 100k-token agent context: code-like text, tokens drawn from a 2,000-token working
 /// vocabulary so n-grams recur as they do in quoted files and tool output.
 fn agent_context(rng: &mut Rng) -> Vec<u32> {
@@ -232,5 +300,5 @@ fn drafter_benches<D: Drafter>(
     );
 }
 
-criterion_group!(benches, radix, scheduling, drafting);
+criterion_group!(benches, radix, scheduling, admission, drafting);
 criterion_main!(benches);

@@ -579,6 +579,9 @@ impl Scheduler {
     fn admit(&mut self, budget: usize) -> Option<usize> {
         let page = self.cfg.page_size;
         let (at, hit, reusable) = (0..self.waiting.len().min(ADMISSION_SCAN)).find_map(|w| {
+            if self.still_waits(w) {
+                return None;
+            }
             let tokens = &self.waiting[w].tokens;
             let hit = self.cache.lookup(tokens);
             let reusable = policy::reusable_pages(hit.device.len() + hit.host, tokens.len(), page);
@@ -621,20 +624,19 @@ impl Scheduler {
     /// all hold yet (it is prefilling, or its last chunk is in flight) shares more whole
     /// pages with `w`'s prompt ([`policy::waits_for_prefill`]), and the cache will hold
     /// them chunk by chunk as they are computed. Requests sent together with one long prefix
-    /// (an agent's parallel calls, retries) then compute it once.
+    /// (an agent's parallel calls, retries) then compute it once. The request remembers
+    /// the prefill it waits for (the one that shares the most), see [`Self::still_waits`].
     fn waits_for_prefill(&mut self, w: usize, cached: usize) -> bool {
         let tokens = &self.waiting[w].tokens;
         let page = self.cfg.page_size;
-        let waits = self
-            .running
-            .iter()
+        let source = (self.running.iter())
             .filter(|r| r.in_cache < r.prompt_len / page && r.stalled_since.is_none())
-            .any(|r| {
-                let shared = common_prefix(tokens, &r.tokens[..r.prompt_len]) / page;
-                policy::waits_for_prefill(cached, shared, tokens.len(), page)
-            });
+            .map(|r| (r.id, shared_pages(tokens, &r.tokens[..r.prompt_len], page)))
+            .filter(|&(_, shared)| policy::waits_for_prefill(cached, shared, tokens.len(), page))
+            .max_by_key(|&(_, shared)| shared);
         let r = &mut self.waiting[w];
-        if waits && !r.waited_for_prefill {
+        r.waits_for = source;
+        if source.is_some() && !r.waited_for_prefill {
             r.waited_for_prefill = true;
             self.metrics.prefill_waits.add(1);
             tracing::debug!(
@@ -643,7 +645,19 @@ impl Scheduler {
                 "waits for a running prefill of its prefix"
             );
         }
-        waits
+        source.is_some()
+    }
+
+    /// Whether waiting request `w` still waits for the prefill it waited for when last
+    /// looked at: that request runs, unpaused, and the cache does not hold the pages they
+    /// share yet. It saves a cache lookup and a prompt comparison a step for each request
+    /// that waits.
+    fn still_waits(&self, w: usize) -> bool {
+        let Some((source, shared)) = self.waiting[w].waits_for else {
+            return false;
+        };
+        (self.running.iter())
+            .any(|r| r.id == source && r.in_cache < shared && r.stalled_since.is_none())
     }
 
     /// A request leaves: its computed pages go to the cache, its references are dropped,
@@ -725,9 +739,11 @@ fn cache_computed(
     }
 }
 
-/// How many leading tokens `a` and `b` have in common.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+/// How many leading whole pages of `page` tokens `a` and `b` have in common.
+fn shared_pages(a: &[u32], b: &[u32], page: usize) -> usize {
+    (a.chunks_exact(page).zip(b.chunks_exact(page)))
+        .take_while(|(x, y)| x == y)
+        .count()
 }
 
 #[cfg(test)]

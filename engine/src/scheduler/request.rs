@@ -161,6 +161,9 @@ pub(crate) struct Request {
     /// `Some(row)`: its last token was sampled on the device at this row of the step in
     /// flight and is not known here yet (`tokens` ends in [`UNRESOLVED`] in its place).
     pub unresolved: Option<usize>,
+    /// The running request whose prefill of its prefix it waits for, and the whole pages
+    /// they share (while it waits).
+    pub waits_for: Option<(u64, usize)>,
     /// It has waited for a running request's prefill of its prefix (counted once).
     pub waited_for_prefill: bool,
 }
@@ -192,6 +195,7 @@ impl Request {
             spec_accepted: 0,
             acceptance: Acceptance::default(),
             unresolved: None,
+            waits_for: None,
             waited_for_prefill: false,
         }
     }
