@@ -145,6 +145,8 @@ fn a_request_sharing_a_running_prefill_waits_for_it_and_others_go_ahead() {
         [0, 2],
         "the unrelated request starts, the sharing one waits"
     );
+    // It waits for request 0's prefill of the 22 whole pages they share.
+    assert_eq!(run.sched.waiting[0].waits_for, Some((0, 22)));
     run.run_to_end();
     let outcomes = [
         (&mut first, &long, 0),
