@@ -3,7 +3,9 @@
 //! Each step: every running request that is decoding gets its one token first (decode is
 //! never starved by a long prefill), then running prefills continue in chunks, then waiting
 //! requests are admitted (prefix-cache lookup first) while the step's token budget and the
-//! running limit allow. When pages run out: evict unused cached prefixes, then preempt the
+//! running limit allow. While requests wait, the prefills' chunks leave half the budget for
+//! them and are lengthened by what admission leaves (a short request is not held behind a
+//! long prefill's chunks). When pages run out: evict unused cached prefixes, then preempt the
 //! newest running request (its computed pages go to the prefix cache, so coming back is
 //! mostly a cache hit). The oldest request is never preempted for a newer one, and every
 //! admitted request fits the pool alone, so some request always makes progress.
@@ -261,8 +263,16 @@ impl Scheduler {
         let (limits, drafts_wanted) = self.draft_limits(decoding, now);
         // A running request left out for lack of pages: newcomers must not take them.
         let mut starved = false;
-        // Decode first, then prefill chunks, each in admission order.
+        // Decode first, then prefill chunks, each in admission order. While requests wait,
+        // the chunks of prefills in progress leave half the budget to admit them (a warm
+        // turn does not queue behind a cold 100k-token prefill); what admission leaves goes
+        // back to those chunks after it.
+        let mut held = 0;
         for decode_pass in [true, false] {
+            if !decode_pass && !self.waiting.is_empty() {
+                held = budget / 2;
+                budget -= held;
+            }
             let mut i = 0;
             while i < self.running.len() && budget > 0 {
                 let pending = self.running[i].pending();
@@ -291,6 +301,7 @@ impl Scheduler {
         if let Some(d) = &self.drafter {
             self.metrics.spec_drafter_bytes.set(d.memory_bytes() as f64);
         }
+        budget += held;
         // A paused request keeps its pages but not its slot in the batch.
         let active =
             |running: &[Request]| running.iter().filter(|r| r.stalled_since.is_none()).count();
@@ -299,6 +310,7 @@ impl Scheduler {
             plan.push(n);
             budget -= n;
         }
+        self.extend_chunks(&mut plan, budget);
         self.publish();
         drafts.resize(self.running.len(), Draft::default());
         let (mut requests, mut slices) = (Vec::new(), Vec::new());
@@ -507,6 +519,36 @@ impl Scheduler {
         let mut draft = drafter.propose(r.id, &r.tokens, max);
         draft.truncate(max);
         draft
+    }
+
+    /// Lengthens the prefill chunks planned short of what is pending by what is left of the
+    /// step's `budget` (the part held back for admission that it did not take), in
+    /// admission order, from pages free or held only by the cache (no preemption).
+    fn extend_chunks(&mut self, plan: &mut [usize], mut budget: usize) {
+        let page = self.cfg.page_size;
+        for i in 0..self.running.len() {
+            let r = &self.running[i];
+            if budget == 0 {
+                return;
+            }
+            if plan[i] == 0 || r.decodes() {
+                continue;
+            }
+            let available = self.pool.free_pages() + self.pool.cache_only_pages();
+            let fits = policy::chunk_that_fits(r.computed, r.pages.len(), available, page);
+            let extra = (r.pending() - plan[i])
+                .min(budget)
+                .min(fits.saturating_sub(plan[i]));
+            let need = policy::pages_needed(r.computed + plan[i] + extra, page, r.pages.len());
+            if extra == 0 {
+                continue;
+            }
+            if let Some(pages) = self.take_pages(need) {
+                self.running[i].pages.extend(pages);
+                plan[i] += extra;
+                budget -= extra;
+            }
+        }
     }
 
     /// Reserves pages for `n` tokens of running request `i`, or for the longest chunk the

@@ -166,6 +166,35 @@ fn a_request_sharing_a_running_prefill_waits_for_it_and_others_go_ahead() {
 }
 
 #[test]
+fn a_short_request_starts_beside_a_long_prefill_in_progress() {
+    let mut run = Run::new(config(4, 64, 8), 512);
+    let long: Vec<u32> = (1..=600).collect();
+    let mut first = run.submit(0, long.clone(), 3);
+    assert_eq!(
+        run.step().unwrap(),
+        [64],
+        "alone, the prefill takes the whole budget"
+    );
+    let short = vec![9; 10];
+    let mut second = run.submit(1, short.clone(), 3);
+    // Half the budget is held for the newcomer, which takes 10; the prefill gets the rest.
+    assert_eq!(run.step().unwrap(), [54, 10]);
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    while b.len() < 3 {
+        run.step();
+        b.extend(outcome(&mut second).0);
+        a.extend(outcome(&mut first).0);
+    }
+    assert!(
+        a.is_empty(),
+        "the short request ends while the long one still prefills"
+    );
+    run.run_to_end();
+    a.extend(outcome(&mut first).0);
+    assert_eq!((a, b), (alone(&long, 3), alone(&short, 3)));
+}
+
+#[test]
 fn a_cancelled_request_returns_its_pages() {
     let mut run = Run::new(config(4, 256, 8), 64);
     let rx = run.submit(0, vec![3; 40], 100);
