@@ -9,6 +9,7 @@ mod glue;
 mod mla;
 mod mla_heads;
 mod moe;
+mod nvrtc;
 mod page_copy;
 mod sample;
 mod tree;
