@@ -8,10 +8,10 @@
 //!   CubeCL's manual block-scaled MMA (`MmaDefinition::new_scaled` + `execute_scaled`);
 //! - [`nvfp4_mma_tile_source`]: that kernel's CUDA C++ as CubeCL's CUDA compiler writes it,
 //!   generated on the host for a given arch (no device, no driver), so the conformance
-//!   suite can check it and hand it to `nvcc`;
+//!   suite can check it and compile it with NVRTC;
 //! - [`supports_native_fp4`]: whether a device advertises that MMA, for the dispatch.
 //!
-//! Where it compiles (ptxas of CUDA 13.0): `sm_120a`, `sm_120f` and `sm_121a` (consumer and
+//! Where it compiles (ptxas of CUDA 13.0, and NVRTC 13.5 in the conformance suite): `sm_120a`, `sm_120f` and `sm_121a` (consumer and
 //! workstation Blackwell, GB10) accept the instruction; `sm_100a`, `sm_103a` and `sm_110a`
 //! reject it ("Instruction 'mma with block scale' not supported"): datacenter Blackwell
 //! (B200/GB200/B300) has block-scaled MMA only as `tcgen05.mma ... .block_scale`, issued by
@@ -19,15 +19,13 @@
 //! nor tensor memory. Nothing here runs on the H200 (sm_90): the NVFP4 GEMM always takes
 //! the decode-to-bf16 path, and this kernel is compiled, not launched, by the tests.
 use cubecl::ir::features::ScaledMmaConfig;
-use cubecl::ir::{ContiguousElements, MatrixLayout, MmaProperties, TargetProperties};
 use cubecl::prelude::*;
-use cubecl::{e2m1x2, e4m3, Compiler};
+use cubecl::{e2m1x2, e4m3};
 use cubecl_cpp::cuda::arch::CudaArchitecture;
-use cubecl_cpp::cuda::mma::{contiguous_elements_cuda, CudaWmmaCompiler};
-use cubecl_cpp::cuda::CudaDialect;
-use cubecl_cpp::shared::{CompilationOptions, CppCompiler, CppSupportedFeatures};
+use cubecl_cpp::cuda::mma::CudaWmmaCompiler;
 use cubecl_cpp::DialectWmmaCompiler;
 
+use crate::cuda_source::{cuda_source, input, output};
 use crate::KernelError;
 
 /// One 32-bit MMA register of FP4 operands: 8 E2M1 codes along K, the lowest K in the
@@ -122,12 +120,10 @@ pub fn supports_native_fp4<R: Runtime>(client: &ComputeClient<R>) -> bool {
 /// The CUDA C++ of [`nvfp4_mma_tile_kernel`] that CubeCL 0.10's CUDA runtime would hand to
 /// NVRTC on a device of compute capability `arch` (`120` for sm_120), generated on the host.
 ///
-/// It builds the kernel definition as the launch macro does (CUDA's target properties, one
-/// warp, 32-bit addresses) and compiles it with CubeCL's CUDA compiler
-/// (`CppCompiler<CudaDialect<CudaWmmaCompiler>>`) and the options its runtime sets from
-/// sm_90 on. The text itself does not depend on `arch`; the arch decides whether CubeCL
-/// offers the block-scaled MMA at all, and which target NVRTC or `nvcc` compiles for (the
-/// runtime passes `sm_{arch}a`). Refuses an arch without the MMA in CubeCL's list (12.x only).
+/// One warp ([`cuda_source`]). The text itself does not depend on `arch`; the arch decides
+/// whether CubeCL offers the block-scaled MMA at all, and which target NVRTC compiles for
+/// (the runtime passes `sm_{arch}a`). Refuses an arch without the MMA in CubeCL's list
+/// (12.x only).
 pub fn nvfp4_mma_tile_source(arch: u32) -> Result<String, KernelError> {
     let offered =
         CudaWmmaCompiler::supported_scaled_mma_combinations(&CudaArchitecture { version: arch });
@@ -137,60 +133,10 @@ pub fn nvfp4_mma_tile_source(arch: u32) -> Result<String, KernelError> {
             device: format!("sm_{arch}"),
         });
     }
-    let mut builder = KernelBuilder::default();
-    // CubeCL 0.10's `CudaRuntime::target_properties()`, which needs the `cuda` feature.
-    builder.runtime_properties(TargetProperties {
-        mma: MmaProperties {
-            register_size_bits: 32,
-            const_plane_size: 32,
-            register_layout_a: MatrixLayout::RowMajor,
-            register_layout_b: MatrixLayout::ColMajor,
-            register_layout_acc: MatrixLayout::RowMajor,
-            register_duplication_a: 1,
-            register_duplication_b: 1,
-            register_duplication_acc: 1,
-            contiguous_elements: ContiguousElements::new(contiguous_elements_cuda),
-        },
-    });
-    let settings = KernelSettings::default()
-        .cube_dim(CubeDim::new_1d(32))
-        .address_type(AddressType::U32)
-        .kernel_name("nvfp4_mma_tile_kernel");
-    settings.address_type.register(&mut builder.scope);
-    let fp4 = Fp4x8::as_type(&builder.scope);
-    let scales = Scales4::as_type(&builder.scope);
-    let acc = Acc::as_type(&builder.scope);
-    let (a, w) = (builder.input_array(fp4), builder.input_array(fp4));
-    let (a_scales, w_scales) = (builder.input_array(scales), builder.input_array(scales));
-    let out = builder.output_array(acc);
-    nvfp4_mma_tile_kernel::expand(
-        &mut builder.scope,
-        a.into(),
-        w.into(),
-        a_scales.into(),
-        w_scales.into(),
-        out.into(),
-    );
-    let options = CompilationOptions {
-        warp_size: 32,
-        supports_features: CppSupportedFeatures {
-            grid_constants: true,
-            clusters: true,
-            fast_math: true,
-            elect_sync: true,
-            ..Default::default()
-        },
-    };
-    CppCompiler::<CudaDialect<CudaWmmaCompiler>>::default()
-        .compile(
-            builder.build(settings),
-            &options,
-            ExecutionMode::Unchecked,
-            AddressType::U32.unsigned_type(),
-        )
-        .map(|kernel| kernel.to_string())
-        .map_err(|err| KernelError::Unsupported {
-            feature: format!("the NVFP4 MMA tile kernel ({err})"),
-            device: "CubeCL's CUDA compiler".into(),
-        })
+    cuda_source("nvfp4_mma_tile_kernel", CubeDim::new_1d(32), |builder| {
+        let (a, w) = (input::<Fp4x8>(builder), input::<Fp4x8>(builder));
+        let (a_scales, w_scales) = (input::<Scales4>(builder), input::<Scales4>(builder));
+        let out = output::<Acc>(builder);
+        nvfp4_mma_tile_kernel::expand(&mut builder.scope, a, w, a_scales, w_scales, out);
+    })
 }

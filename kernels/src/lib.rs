@@ -25,6 +25,7 @@ pub mod activation;
 pub mod argmax;
 pub mod blackwell;
 pub mod buffer;
+pub mod cuda_source;
 pub mod embedding;
 pub mod error;
 pub mod fill;

@@ -38,8 +38,9 @@ use super::cache_write::bf16_bits;
 use super::heads::Resume;
 use super::mma::NEG_BIG;
 use super::{uses_tensor_cores, KvFormat};
+use crate::cuda_source::{cuda_source, input, output, scalar};
 use crate::warp_mma::{Acc, Bf16x8, Frag};
-use crate::{DeviceArray, Precision};
+use crate::{DeviceArray, KernelError, Precision};
 
 /// Query tokens per cube: 16 per warp. 64 is the measured configuration (RESULTS.md,
 /// 2026-12-07); 128 (8 warps sharing each key/value tile, half the tiles' traffic per
@@ -578,6 +579,44 @@ pub(super) fn attend<R: Runtime>(
             resume,
         )
     }
+}
+
+/// The CUDA C++ of the attention kernel for `shape`'s head dims, for a chunk that starts
+/// from the state the chunk before left (`from_state`) and one that leaves its own
+/// (`keep_state`), as CubeCL's CUDA runtime would compile it, generated on the host
+/// ([`cuda_source`]): the conformance suite compiles it for Hopper and Blackwell targets.
+pub fn attention_source(
+    shape: KvBShape,
+    from_state: bool,
+    keep_state: bool,
+) -> Result<String, KernelError> {
+    let resume = Resume {
+        from_state,
+        keep_state,
+    };
+    cuda_source("attention_kernel", CubeDim::new_1d(UNITS), |b| {
+        let q = input::<f32>(b);
+        let (keys, values) = (input::<Bf16x8>(b), input::<Bf16x8>(b));
+        let (cu_q_lens, kv_lens, cu_rows) = (input::<u32>(b), input::<u32>(b), input::<u32>(b));
+        let (out, lse) = (output::<f32>(b), output::<f32>(b));
+        let (rows, first_pos, scale) = (scalar::<u32>(b), scalar::<u32>(b), scalar::<f32>(b));
+        attention_kernel::expand(
+            &mut b.scope,
+            q,
+            keys,
+            values,
+            cu_q_lens,
+            kv_lens,
+            cu_rows,
+            out,
+            lse,
+            rows,
+            first_pos,
+            scale,
+            dims(shape),
+            resume,
+        );
+    })
 }
 
 fn dims(shape: KvBShape) -> Dims {

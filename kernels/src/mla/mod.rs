@@ -43,7 +43,7 @@ use cubecl::prelude::*;
 pub use absorb::{absorb_query, absorbs_on_tensor_cores, project_values, KvBShape};
 pub use cache_write::{write_kv, write_kv_normed, KvRowPrep};
 pub use heads::{attends_per_head, mla_prefill_heads, ContextRows, PER_HEAD_MIN_Q_LEN};
-pub use heads_mma::heads_on_tensor_cores;
+pub use heads_mma::{attention_source as heads_attention_source, heads_on_tensor_cores};
 pub use page_copy::{gather_pages, page_words, scatter_pages};
 pub use tree_mask::{tree_mask_words, MAX_TREE_NODES};
 

@@ -4,6 +4,7 @@
 mod argmax;
 mod blackwell;
 mod cases;
+mod cuda_targets;
 mod gemm;
 mod glue;
 mod mla;

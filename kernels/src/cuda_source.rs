@@ -1,0 +1,82 @@
+//! A kernel's CUDA C++ as CubeCL 0.10's CUDA runtime hands it to NVRTC, generated on the
+//! host (no device, no driver): for compile checks on targets not at hand (Blackwell here,
+//! Hopper in CI). The definition is built as CubeCL's launch macro builds it: CUDA's target
+//! properties, then the parameters in order ([`input`], [`output`], [`scalar`]) and the
+//! kernel's `expand`; then compiled with CubeCL's CUDA compiler
+//! (`CppCompiler<CudaDialect<CudaWmmaCompiler>>`) and the options its runtime sets from
+//! sm_90 on. The text does not depend on the target: NVRTC's `--gpu-architecture` does.
+use cubecl::ir::{ContiguousElements, MatrixLayout, MmaProperties, TargetProperties};
+use cubecl::prelude::*;
+use cubecl::Compiler;
+use cubecl_cpp::cuda::mma::{contiguous_elements_cuda, CudaWmmaCompiler};
+use cubecl_cpp::cuda::CudaDialect;
+use cubecl_cpp::shared::{CompilationOptions, CppCompiler, CppSupportedFeatures};
+
+use crate::KernelError;
+
+/// The CUDA C++ of kernel `name` (its entry point) on cubes of `cube_dim`, whose parameters
+/// and body `define` registers and expands into the builder.
+pub fn cuda_source(
+    name: &str,
+    cube_dim: CubeDim,
+    define: impl FnOnce(&mut KernelBuilder),
+) -> Result<String, KernelError> {
+    let mut builder = KernelBuilder::default();
+    // CubeCL 0.10's `CudaRuntime::target_properties()`, which needs the `cuda` feature.
+    builder.runtime_properties(TargetProperties {
+        mma: MmaProperties {
+            register_size_bits: 32,
+            const_plane_size: 32,
+            register_layout_a: MatrixLayout::RowMajor,
+            register_layout_b: MatrixLayout::ColMajor,
+            register_layout_acc: MatrixLayout::RowMajor,
+            register_duplication_a: 1,
+            register_duplication_b: 1,
+            register_duplication_acc: 1,
+            contiguous_elements: ContiguousElements::new(contiguous_elements_cuda),
+        },
+    });
+    let settings = KernelSettings::default()
+        .cube_dim(cube_dim)
+        .address_type(AddressType::U32)
+        .kernel_name(name);
+    settings.address_type.register(&mut builder.scope);
+    define(&mut builder);
+    let options = CompilationOptions {
+        warp_size: 32,
+        supports_features: CppSupportedFeatures {
+            grid_constants: true,
+            clusters: true,
+            fast_math: true,
+            elect_sync: true,
+            ..Default::default()
+        },
+    };
+    CppCompiler::<CudaDialect<CudaWmmaCompiler>>::default()
+        .compile(
+            builder.build(settings),
+            &options,
+            ExecutionMode::Unchecked,
+            AddressType::U32.unsigned_type(),
+        )
+        .map(|kernel| kernel.to_string())
+        .map_err(|err| KernelError::Unsupported {
+            feature: format!("{name} ({err})"),
+            device: "CubeCL's CUDA compiler".into(),
+        })
+}
+
+/// The next parameter, an input array (`&Array<C>`).
+pub fn input<C: CubePrimitive>(builder: &mut KernelBuilder) -> NativeExpand<Array<C>> {
+    Array::<C>::expand(&ArrayCompilationArg { inplace: None }, builder)
+}
+
+/// The next parameter, an output array (`&mut Array<C>`).
+pub fn output<C: CubePrimitive>(builder: &mut KernelBuilder) -> NativeExpand<Array<C>> {
+    Array::<C>::expand_output(&ArrayCompilationArg { inplace: None }, builder)
+}
+
+/// The next parameter, a scalar.
+pub fn scalar<C: LaunchArg<CompilationArg = ()>>(builder: &mut KernelBuilder) -> C::ExpandType {
+    C::expand(&(), builder)
+}
