@@ -5,6 +5,8 @@
 //! Code that runs kernels is generic over `cubecl::Runtime`; [`with_backend`] turns a
 //! run-time [`BackendKind`] into a call of such code with the right runtime and client.
 mod kind;
+#[cfg(feature = "cuda")]
+pub mod launcher;
 mod memory;
 mod report;
 mod runtimes;

@@ -139,4 +139,5 @@ pub fn nvfp4_mma_tile_source(arch: u32) -> Result<String, KernelError> {
         let out = output::<Acc>(builder);
         nvfp4_mma_tile_kernel::expand(&mut builder.scope, a, w, a_scales, w_scales, out);
     })
+    .map(|kernel| kernel.text)
 }

@@ -79,6 +79,12 @@ impl<T: CubeElement> DeviceArray<T> {
         }
     }
 
+    /// CubeCL's handle of the buffer (for a launcher outside CubeCL, which reads the
+    /// buffer's device address through it).
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
     /// The kernel argument viewing this buffer (also for kernels outside this crate, such as
     /// a benchmark's input generator).
     pub fn arg<R: Runtime>(&self) -> ArrayArg<R> {

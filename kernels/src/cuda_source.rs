@@ -14,13 +14,26 @@ use cubecl_cpp::shared::{CompilationOptions, CppCompiler, CppSupportedFeatures};
 
 use crate::KernelError;
 
+/// A kernel's CUDA C++ and what launching it takes.
+#[derive(Clone, Debug)]
+pub struct CudaSource {
+    /// The source, as NVRTC takes it.
+    pub text: String,
+    /// The entry point's name.
+    pub entry: String,
+    /// The units of a cube (the launch's block).
+    pub cube_dim: CubeDim,
+    /// Bytes of shared memory a cube takes (dynamic shared memory at launch).
+    pub shared_bytes: usize,
+}
+
 /// The CUDA C++ of kernel `name` (its entry point) on cubes of `cube_dim`, whose parameters
 /// and body `define` registers and expands into the builder.
 pub fn cuda_source(
     name: &str,
     cube_dim: CubeDim,
     define: impl FnOnce(&mut KernelBuilder),
-) -> Result<String, KernelError> {
+) -> Result<CudaSource, KernelError> {
     let mut builder = KernelBuilder::default();
     // CubeCL 0.10's `CudaRuntime::target_properties()`, which needs the `cuda` feature.
     builder.runtime_properties(TargetProperties {
@@ -59,7 +72,12 @@ pub fn cuda_source(
             ExecutionMode::Unchecked,
             AddressType::U32.unsigned_type(),
         )
-        .map(|kernel| kernel.to_string())
+        .map(|kernel| CudaSource {
+            text: kernel.to_string(),
+            entry: name.to_string(),
+            cube_dim,
+            shared_bytes: kernel.shared_memory_size(),
+        })
         .map_err(|err| KernelError::Unsupported {
             feature: format!("{name} ({err})"),
             device: "CubeCL's CUDA compiler".into(),

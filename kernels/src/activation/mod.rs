@@ -4,6 +4,7 @@
 use cubecl::prelude::*;
 
 use crate::buffer::{check_index_space, check_len};
+use crate::cuda_source::{cuda_source, input, output, CudaSource};
 use crate::{DeviceArray, KernelError};
 
 const UNITS: u32 = 256;
@@ -15,6 +16,16 @@ fn silu_mul_kernel(gate: &Array<f32>, up: &Array<f32>, out: &mut Array<f32>) {
         let g = gate[i];
         out[i] = g / (1.0 + (-g).exp()) * up[i];
     }
+}
+
+/// [`silu_mul`]'s kernel as CUDA C++ ([`cuda_source`]), for a launcher outside CubeCL: its
+/// parameters are the arrays `gate`, `up` and `out`; one unit per element, a cube's units
+/// consecutive, cubes numbered x then y as [`silu_mul`] launches them.
+pub fn silu_mul_source() -> Result<CudaSource, KernelError> {
+    cuda_source("silu_mul_kernel", CubeDim::new_1d(UNITS), |b| {
+        let (gate, up, out) = (input::<f32>(b), input::<f32>(b), output::<f32>(b));
+        silu_mul_kernel::expand(&mut b.scope, gate, up, out);
+    })
 }
 
 /// `out[i] = silu(gate[i]) * up[i]` for equally long `gate`, `up` and `out`.

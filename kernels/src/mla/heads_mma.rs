@@ -617,6 +617,7 @@ pub fn attention_source(
             resume,
         );
     })
+    .map(|kernel| kernel.text)
 }
 
 fn dims(shape: KvBShape) -> Dims {

@@ -7,6 +7,8 @@ mod cases;
 mod cuda_targets;
 mod gemm;
 mod glue;
+#[cfg(feature = "cuda")]
+mod launcher;
 mod mla;
 mod mla_heads;
 mod moe;

@@ -1,0 +1,78 @@
+//! kiln's own CUDA launcher ([`kiln_backends::launcher`]) against CubeCL's: SwiGLU's
+//! activation launched both ways over an odd length writes the same bits; captured into a
+//! CUDA graph on kiln's stream and replayed after CubeCL wrote a new input into the same
+//! buffer and poisoned the output, it writes what CubeCL's launch writes for the new input.
+//! CUDA only.
+use kiln_backends::launcher::{Args, Kernel, Launcher};
+use kiln_backends::{Backend, Cuda};
+use kiln_kernels::activation::{silu_mul, silu_mul_source};
+use kiln_kernels::DeviceArray;
+
+/// Values in [-4, 4) from a small LCG seeded `seed`.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0
+        })
+        .collect()
+}
+
+fn bits(v: Vec<f32>) -> Vec<u32> {
+    v.into_iter().map(f32::to_bits).collect()
+}
+
+#[test]
+fn silu_mul_through_kilns_launcher_and_its_graph_equals_cubecls_launch() {
+    let client = Cuda::client();
+    let launcher = Launcher::new().expect("CUDA device 0");
+    let source = silu_mul_source().expect("CUDA source");
+    let kernel: Kernel = launcher.load(&source).expect("NVRTC compiles it");
+    let n = 100_003;
+    let cubes = (n as u32).div_ceil(source.cube_dim.x);
+    let gate = DeviceArray::upload(&client, &values(n, 1));
+    let up = DeviceArray::upload(&client, &values(n, 2));
+    let poison = DeviceArray::filled(&client, n, f32::NAN);
+    let (want, got) = (
+        DeviceArray::uninit(&client, n),
+        DeviceArray::uninit(&client, n),
+    );
+    let args = || {
+        let mut a = Args::default();
+        a.array(&client, &gate)
+            .array(&client, &up)
+            .array(&client, &got);
+        a
+    };
+    let stream = launcher.stream();
+
+    silu_mul(&client, &poison, &up, &got).unwrap();
+    silu_mul(&client, &gate, &up, &want).unwrap();
+    let expected = bits(want.read(&client)); // CubeCL's work is done
+                                             // SAFETY: gate, up and got hold n elements each.
+    unsafe { kernel.launch(stream, (cubes, 1, 1), args()) }.unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(bits(got.read(&client)), expected, "a launch of kiln's");
+
+    // SAFETY: as above; the buffers outlive the graph.
+    let graph = launcher
+        .capture(|s| unsafe { kernel.launch(s, (cubes, 1, 1), args()) })
+        .unwrap();
+    // A new input in the same buffer, the output poisoned, the expectation recomputed.
+    let other = DeviceArray::upload(&client, &values(n, 3));
+    silu_mul(&client, &other, &up, &gate).unwrap();
+    silu_mul(&client, &poison, &up, &got).unwrap();
+    silu_mul(&client, &gate, &up, &want).unwrap();
+    let expected = bits(want.read(&client));
+    assert!(bits(got.read(&client))
+        .iter()
+        .all(|&b| f32::from_bits(b).is_nan()));
+    graph.launch().unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(bits(got.read(&client)), expected, "the graph replayed");
+}
