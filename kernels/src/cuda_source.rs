@@ -4,7 +4,8 @@
 //! properties, then the parameters in order ([`input`], [`output`], [`scalar`]) and the
 //! kernel's `expand`; then compiled with CubeCL's CUDA compiler
 //! (`CppCompiler<CudaDialect<CudaWmmaCompiler>>`) and the options its runtime sets from
-//! sm_90 on. The text does not depend on the target: NVRTC's `--gpu-architecture` does.
+//! sm_90 on, unchecked (all of kiln's kernels are `launch_unchecked`). The text does not
+//! depend on the target: NVRTC's `--gpu-architecture` does.
 use cubecl::ir::{ContiguousElements, MatrixLayout, MmaProperties, TargetProperties};
 use cubecl::prelude::*;
 use cubecl::Compiler;
