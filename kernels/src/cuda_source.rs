@@ -1,6 +1,6 @@
 //! A kernel's CUDA C++ as CubeCL 0.10's CUDA runtime hands it to NVRTC, generated on the
 //! host (no device, no driver): for compile checks on targets not at hand (Blackwell here,
-//! Hopper in CI). The definition is built as CubeCL's launch macro builds it: CUDA's target
+//! Hopper in CI), and for kiln's own launcher (`kiln_backends::launcher`). The definition is built as CubeCL's launch macro builds it: CUDA's target
 //! properties, then the parameters in order ([`input`], [`output`], [`scalar`]) and the
 //! kernel's `expand`; then compiled with CubeCL's CUDA compiler
 //! (`CppCompiler<CudaDialect<CudaWmmaCompiler>>`) and the options its runtime sets from
