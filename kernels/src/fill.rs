@@ -10,6 +10,7 @@ use std::ops::Range;
 
 use cubecl::prelude::*;
 
+use crate::cuda_source::{cuda_source, output, scalar, CudaSource};
 use crate::{DeviceArray, KernelError};
 
 const UNITS: u32 = 256;
@@ -64,6 +65,30 @@ impl Field {
             masks
         }
     }
+}
+
+/// [`fill_random_records`]'s kernel as CUDA C++ ([`cuda_source`]), for a launcher outside
+/// CubeCL: its parameters are the array `out`, then the scalars `seed`, `and_mask`,
+/// `or_mask` and the field's `period`, `words.start`, `words.end`, `and_mask`, `or_mask`;
+/// one unit per word, cubes numbered x then y.
+pub fn fill_source() -> Result<CudaSource, KernelError> {
+    cuda_source("fill_kernel", CubeDim::new_1d(UNITS), |b| {
+        let out = output::<u32>(b);
+        let [seed, and, or, period, start, end, field_and, field_or] =
+            std::array::from_fn(|_| scalar::<u32>(b));
+        fill_kernel::expand(
+            &mut b.scope,
+            out,
+            seed,
+            and,
+            or,
+            period,
+            start,
+            end,
+            field_and,
+            field_or,
+        );
+    })
 }
 
 /// Overwrites every word of `out` with masked pseudo-random bits.

@@ -2,9 +2,10 @@
 //! [`Nvrtc`]): the per-head MLA prefill attention (`mma.sync`, `ldmatrix`, `cp.async`) for
 //! Hopper (`sm_90a`, what the H200 runs) and Blackwell (`sm_100a`, datacenter; `sm_120a`,
 //! workstation), at Kimi's head dims and the smallest the kernel takes, for the first and
-//! a middle chunk of a context; and SwiGLU's activation, which kiln's own launcher loads
-//! (`launcher.rs`). Compiling is what this proves; the H200 runs them.
+//! a middle chunk of a context; and SwiGLU's activation and the random fill, which kiln's
+//! own launcher loads (`launcher.rs`). Compiling is what this proves; the H200 runs them.
 use kiln_kernels::activation::silu_mul_source;
+use kiln_kernels::fill::fill_source;
 use kiln_kernels::mla::{heads_attention_source, KvBShape};
 
 use crate::nvrtc::Nvrtc;
@@ -44,17 +45,19 @@ fn per_head_prefill_attention_compiles_for_hopper_and_blackwell() {
 }
 
 #[test]
-fn the_launchers_kernel_compiles_for_hopper_and_blackwell() {
+fn the_launchers_kernels_compile_for_hopper_and_blackwell() {
     let nvrtc = Nvrtc::get().unwrap_or_else(|why| panic!("{why}"));
-    let source = silu_mul_source().expect("CUDA source");
-    assert!(
-        source.text.contains(&format!("{} (", source.entry)),
-        "{}",
-        source.text
-    );
-    for arch in TARGETS {
-        if let Err(log) = nvrtc.cubin(&source.text, arch) {
-            panic!("{arch}: NVRTC rejected it:\n{log}\n{}", source.text);
+    for source in [silu_mul_source(), fill_source()] {
+        let source = source.expect("CUDA source");
+        assert!(
+            source.text.contains(&format!("{} (", source.entry)),
+            "{}",
+            source.text
+        );
+        for arch in TARGETS {
+            if let Err(log) = nvrtc.cubin(&source.text, arch) {
+                panic!("{arch}: NVRTC rejected it:\n{log}\n{}", source.text);
+            }
         }
     }
 }

@@ -2,10 +2,12 @@
 //! activation launched both ways over an odd length writes the same bits; captured into a
 //! CUDA graph on kiln's stream and replayed after CubeCL wrote a new input into the same
 //! buffer and poisoned the output, it writes what CubeCL's launch writes for the new input.
-//! CUDA only.
+//! And the random fill, whose eight scalars travel in the info struct, writes the same
+//! words both ways. CUDA only.
 use kiln_backends::launcher::{Args, Kernel, Launcher};
 use kiln_backends::{Backend, Cuda};
 use kiln_kernels::activation::{silu_mul, silu_mul_source};
+use kiln_kernels::fill::{fill_random_records, fill_source, Field};
 use kiln_kernels::DeviceArray;
 
 /// Values in [-4, 4) from a small LCG seeded `seed`.
@@ -75,4 +77,45 @@ fn silu_mul_through_kilns_launcher_and_its_graph_equals_cubecls_launch() {
     graph.launch().unwrap();
     stream.synchronize().unwrap();
     assert_eq!(bits(got.read(&client)), expected, "the graph replayed");
+}
+
+#[test]
+fn the_random_fill_through_kilns_launcher_equals_cubecls_launch() {
+    let client = Cuda::client();
+    let launcher = Launcher::new().expect("CUDA device 0");
+    let source = fill_source().expect("CUDA source");
+    let kernel = launcher.load(&source).expect("NVRTC compiles it");
+    let n = 70_001;
+    let field = Field {
+        period: 7,
+        words: 2..5,
+        and_mask: 0x0f0f_0f0f,
+        or_mask: 0x3000_0000,
+    };
+    let (seed, masks) = (12345, (0x7fff_fff0, 0x1));
+    let (want, got) = (
+        DeviceArray::uninit(&client, n),
+        DeviceArray::filled(&client, n, 0u32),
+    );
+    fill_random_records(&client, &want, seed, masks, &field).unwrap();
+    let expected = want.read(&client);
+    assert_ne!(expected, got.read(&client));
+    let mut args = Args::default();
+    args.array(&client, &got);
+    for v in [
+        seed,
+        masks.0,
+        masks.1,
+        field.period,
+        field.words.start,
+        field.words.end,
+    ] {
+        args.scalar(v);
+    }
+    args.scalar(field.and_mask).scalar(field.or_mask);
+    let cubes = (n as u32).div_ceil(source.cube_dim.x);
+    // SAFETY: `got` holds n words; the kernel bounds-checks against its length.
+    unsafe { kernel.launch(launcher.stream(), (cubes, 1, 1), args) }.unwrap();
+    launcher.stream().synchronize().unwrap();
+    assert_eq!(got.read(&client), expected);
 }
