@@ -16,9 +16,10 @@ use std::sync::Arc;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use kiln::cache::{PagePool, PrefixCache, RadixCache};
 use kiln::metrics::Metrics;
-use kiln::scheduler::{SamplingParams, Scheduler, SchedulerConfig, Scores, Submission};
+use kiln::scheduler::{Event, SamplingParams, Scheduler, SchedulerConfig, Scores, Submission};
 use kiln::speculative::{Drafter, IndexedNgramDrafter, SuffixDrafter};
 use kiln_core::rng::Rng;
+use tokio::sync::mpsc::Receiver;
 
 const PAGE: usize = 64;
 const SESSIONS: usize = 1000;
@@ -83,42 +84,54 @@ fn radix(c: &mut Criterion) {
     );
 }
 
-fn scheduling(c: &mut Criterion) {
-    const VOCAB: usize = 64;
+/// A scheduler over `pages` pages of [`PAGE`] tokens (a radix cache, no speculation) with
+/// steps of `max_batch_tokens`.
+fn scheduler(max_batch_tokens: usize, pages: usize) -> Scheduler {
     let cfg = SchedulerConfig {
         page_size: PAGE,
-        max_batch_tokens: 2048,
+        max_batch_tokens,
         max_running: 256,
         context_len: 1 << 20,
         eos_token_ids: vec![],
         stall_timeout: std::time::Duration::from_secs(60),
         speculative: None,
     };
-    let metrics = Arc::new(Metrics::default());
     let cache = Box::new(RadixCache::new(PAGE));
+    Scheduler::new(cfg, pages, cache, Arc::new(Metrics::default()))
+}
+
+/// Queues request `id` (`prompt`, up to `max_tokens` out); the receiver of its events.
+fn submit(sched: &mut Scheduler, id: u64, prompt: Vec<u32>, max_tokens: usize) -> Receiver<Event> {
+    let (events, rx) = tokio::sync::mpsc::channel(kiln::scheduler::EVENT_BUFFER);
+    sched.add(Submission {
+        id,
+        prompt,
+        params: SamplingParams {
+            max_tokens,
+            ..SamplingParams::default()
+        },
+        session: None,
+        events,
+        ended_by_client: Default::default(),
+        constraint: None,
+    });
+    rx
+}
+
+fn scheduling(c: &mut Criterion) {
+    const VOCAB: usize = 64;
     // Room for every request to grow by criterion's iterations without preemption.
-    let mut sched = Scheduler::new(cfg, 256 * 4096, cache, metrics);
+    let mut sched = scheduler(2048, 256 * 4096);
     let mut rng = Rng::new(3);
-    let mut receivers = Vec::new();
-    for id in 0..256 {
-        let (events, rx) = tokio::sync::mpsc::channel(kiln::scheduler::EVENT_BUFFER);
-        receivers.push(rx);
-        sched.add(Submission {
-            id,
-            prompt: tokens(&mut rng, 2000)
+    let mut receivers: Vec<_> = (0..256)
+        .map(|id| {
+            let prompt = tokens(&mut rng, 2000)
                 .iter()
                 .map(|t| t % VOCAB as u32)
-                .collect(),
-            params: SamplingParams {
-                max_tokens: 1 << 20,
-                ..SamplingParams::default()
-            },
-            session: None,
-            events,
-            ended_by_client: Default::default(),
-            constraint: None,
-        });
-    }
+                .collect();
+            submit(&mut sched, id, prompt, 1 << 20)
+        })
+        .collect();
     // Prefill everyone (2048-token steps) until all 256 decode.
     let logits = vec![0.5f32; 256 * VOCAB];
     while sched.decoding() < 256 {
@@ -147,43 +160,21 @@ fn scheduling(c: &mut Criterion) {
 /// 99k tokens by 512 of their own (an agent's parallel calls on one history). Its next
 /// step leaves room in the budget, so admission looks at them: they share pages of the
 /// last chunk, which the cache does not hold yet, so each waits.
-fn waiting_on_a_prefill(waiting: usize) -> Scheduler {
-    let cfg = SchedulerConfig {
-        page_size: PAGE,
-        max_batch_tokens: 8192,
-        max_running: 256,
-        context_len: 1 << 20,
-        eos_token_ids: vec![],
-        stall_timeout: std::time::Duration::from_secs(60),
-        speculative: None,
-    };
-    let pages = (waiting + 1) * (CONTEXT / PAGE + 16);
-    let cache = Box::new(RadixCache::new(PAGE));
-    let mut sched = Scheduler::new(cfg, pages, cache, Arc::new(Metrics::default()));
+/// Its requests' receivers come with it, so none counts as gone.
+fn waiting_on_a_prefill(waiting: usize) -> (Scheduler, Vec<Receiver<Event>>) {
+    let mut sched = scheduler(8192, (waiting + 1) * (CONTEXT / PAGE + 16));
     let mut rng = Rng::new(5);
     let history = tokens(&mut rng, CONTEXT);
-    let submit = |sched: &mut Scheduler, id, prompt| {
-        let (events, _) = tokio::sync::mpsc::channel(kiln::scheduler::EVENT_BUFFER);
-        sched.add(Submission {
-            id,
-            prompt,
-            params: SamplingParams::default(),
-            session: None,
-            events,
-            ended_by_client: Default::default(),
-            constraint: None,
-        });
-    };
-    submit(&mut sched, 0, history.clone());
+    let mut receivers = vec![submit(&mut sched, 0, history.clone(), 16)];
     for _ in 0..CONTEXT / 8192 {
         step(&mut sched);
     }
     for id in 1..=waiting as u64 {
         let mut prompt = history[..CONTEXT - 1000].to_vec();
         prompt.extend(tokens(&mut rng, TURN));
-        submit(&mut sched, id, prompt);
+        receivers.push(submit(&mut sched, id, prompt, 16));
     }
-    sched
+    (sched, receivers)
 }
 
 /// One step: planned, and completed with a row of logits for each request.
@@ -202,7 +193,11 @@ fn admission(c: &mut Criterion) {
         |b| {
             b.iter_batched(
                 || waiting_on_a_prefill(64),
-                |mut s| step(&mut s),
+                // Returned, so criterion drops it outside the timing.
+                |(mut s, receivers)| {
+                    step(&mut s);
+                    (s, receivers)
+                },
                 BatchSize::LargeInput,
             )
         },

@@ -125,7 +125,7 @@ pub struct Metrics {
     pub requests_aborted: Counter,
     pub requests_rejected: Counter,
     pub preemptions: Counter,
-    /// Requests that waited for a running prefill of their prefix before starting.
+    /// Times a waiting request began to wait for a running prefill of its prefix.
     pub prefill_waits: Counter,
     pub steps: Counter,
     /// Steps planned and issued while the step before was still on the device.
@@ -384,7 +384,7 @@ impl Metrics {
         );
         counter(
             "prefill_waits_total",
-            "Requests that waited for a running prefill of their prefix, to reuse it.",
+            "Times a waiting request began to wait for a running prefill of its prefix, to reuse it.",
             self.prefill_waits.get(),
         );
         counter("steps_total", "Forward steps run.", self.steps.get());

@@ -2,7 +2,7 @@
 //! lookup. Obviously correct and slow (linear in everything cached); the radix tree's
 //! test oracle, selectable with `--prefix-cache flat`. It has no host tier: evicted pages
 //! are forgotten.
-use super::{Hit, PagePool, PrefixCache};
+use super::{common_pages, Hit, PagePool, PrefixCache};
 
 #[derive(Debug)]
 struct Entry {
@@ -30,20 +30,12 @@ impl FlatCache {
         }
     }
 
-    /// Full pages two token sequences share from their start.
-    fn common(&self, a: &[u32], b: &[u32]) -> usize {
-        a.chunks_exact(self.page_size)
-            .zip(b.chunks_exact(self.page_size))
-            .take_while(|(x, y)| x == y)
-            .count()
-    }
-
     /// The entry sharing the most pages with `tokens`, and how many.
     fn best(&self, tokens: &[u32]) -> Option<(usize, usize)> {
         self.entries
             .iter()
             .enumerate()
-            .map(|(i, e)| (i, self.common(&e.tokens, tokens)))
+            .map(|(i, e)| (i, common_pages(&e.tokens, tokens, self.page_size)))
             .filter(|&(_, n)| n > 0)
             .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))
     }
@@ -52,7 +44,13 @@ impl FlatCache {
     fn shared_pages(&self, i: usize) -> usize {
         (0..self.entries.len())
             .filter(|&j| j != i)
-            .map(|j| self.common(&self.entries[i].tokens, &self.entries[j].tokens))
+            .map(|j| {
+                common_pages(
+                    &self.entries[i].tokens,
+                    &self.entries[j].tokens,
+                    self.page_size,
+                )
+            })
             .max()
             .unwrap_or(0)
     }
@@ -90,7 +88,7 @@ impl PrefixCache for FlatCache {
         }
         // An entry the new one extends is subsumed by it (its pages live on in the new one).
         let subsumed: Vec<bool> = (self.entries.iter())
-            .map(|e| self.common(&e.tokens, tokens) == e.pages.len())
+            .map(|e| common_pages(&e.tokens, tokens, self.page_size) == e.pages.len())
             .collect();
         let mut keep = subsumed.iter().map(|s| !s);
         self.entries.retain(|_| keep.next().unwrap_or(true));
@@ -141,7 +139,13 @@ impl PrefixCache for FlatCache {
         (0..self.entries.len())
             .map(|i| {
                 let longer_shared = (0..i)
-                    .map(|j| self.common(&self.entries[i].tokens, &self.entries[j].tokens))
+                    .map(|j| {
+                        common_pages(
+                            &self.entries[i].tokens,
+                            &self.entries[j].tokens,
+                            self.page_size,
+                        )
+                    })
                     .max()
                     .unwrap_or(0);
                 self.entries[i].pages.len() - longer_shared

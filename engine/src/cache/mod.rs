@@ -21,6 +21,13 @@ pub use flat::FlatCache;
 pub use pages::PagePool;
 pub use radix::RadixCache;
 
+/// Whole pages of `page_size` tokens that `a` and `b` share from their start.
+pub(crate) fn common_pages(a: &[u32], b: &[u32], page_size: usize) -> usize {
+    (a.chunks_exact(page_size).zip(b.chunks_exact(page_size)))
+        .take_while(|(x, y)| x == y)
+        .count()
+}
+
 /// The longest cached page-aligned prefix of some tokens: its first pages on the device,
 /// then `host` more whose KV is only in the host tier.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

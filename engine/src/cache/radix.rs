@@ -133,12 +133,7 @@ impl RadixCache {
 
     /// Full pages that `node`'s tokens share with `tokens` (from its start).
     fn common_pages(&self, node: usize, tokens: &[u32]) -> usize {
-        let n = self.node(node);
-        n.tokens
-            .chunks(self.page_size)
-            .zip(tokens.chunks_exact(self.page_size))
-            .take_while(|(a, b)| a == b)
-            .count()
+        super::common_pages(&self.node(node).tokens, tokens, self.page_size)
     }
 
     /// Walks from the root along `tokens`: the path of (node, pages matched in it).

@@ -5,6 +5,7 @@
 //! cache gives it yet starts once the cache holds them (the prefill puts its pages there
 //! chunk by chunk), so requests sent together with one long prefix compute it once.
 use super::*;
+use crate::cache::common_pages;
 
 /// Most waiting requests one admission looks at past those that wait for a running
 /// prefill (each look is a cache lookup and a prompt comparison).
@@ -72,13 +73,11 @@ impl Scheduler {
         let page = self.cfg.page_size;
         let source = (self.running.iter())
             .filter(|r| r.in_cache < r.prompt_len / page && r.stalled_since.is_none())
-            .map(|r| (r.id, shared_pages(tokens, &r.tokens[..r.prompt_len], page)))
+            .map(|r| (r.id, common_pages(tokens, &r.tokens[..r.prompt_len], page)))
             .filter(|&(_, shared)| policy::waits_for_prefill(cached, shared, tokens.len(), page))
             .max_by_key(|&(_, shared)| shared);
         let r = &mut self.waiting[w];
-        r.waits_for = source;
-        if source.is_some() && !r.waited_for_prefill {
-            r.waited_for_prefill = true;
+        if source.is_some() && r.waits_for.is_none() {
             self.metrics.prefill_waits.add(1);
             tracing::debug!(
                 id = r.id,
@@ -86,6 +85,7 @@ impl Scheduler {
                 "waits for a running prefill of its prefix"
             );
         }
+        r.waits_for = source;
         source.is_some()
     }
 
@@ -100,11 +100,4 @@ impl Scheduler {
         (self.running.iter())
             .any(|r| r.id == source && r.in_cache < shared && r.stalled_since.is_none())
     }
-}
-
-/// How many leading whole pages of `page` tokens `a` and `b` have in common.
-fn shared_pages(a: &[u32], b: &[u32], page: usize) -> usize {
-    (a.chunks_exact(page).zip(b.chunks_exact(page)))
-        .take_while(|(x, y)| x == y)
-        .count()
 }

@@ -307,7 +307,9 @@ impl Scheduler {
             plan.push(n);
             budget -= n;
         }
-        self.extend_chunks(&mut plan, budget);
+        if held > 0 {
+            self.extend_chunks(&mut plan, budget);
+        }
         self.publish();
         drafts.resize(self.running.len(), Draft::default());
         let (mut requests, mut slices) = (Vec::new(), Vec::new());

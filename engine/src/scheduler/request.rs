@@ -164,8 +164,6 @@ pub(crate) struct Request {
     /// The running request whose prefill of its prefix it waits for, and the whole pages
     /// they share (while it waits).
     pub waits_for: Option<(u64, usize)>,
-    /// It has waited for a running request's prefill of its prefix (counted once).
-    pub waited_for_prefill: bool,
 }
 
 /// The id a request's last token has in `tokens` until its step's tokens are read
@@ -196,7 +194,6 @@ impl Request {
             acceptance: Acceptance::default(),
             unresolved: None,
             waits_for: None,
-            waited_for_prefill: false,
         }
     }
 

@@ -102,17 +102,11 @@ fn the_random_fill_through_kilns_launcher_equals_cubecls_launch() {
     assert_ne!(expected, got.read(&client));
     let mut args = Args::default();
     args.array(&client, &got);
-    for v in [
-        seed,
-        masks.0,
-        masks.1,
-        field.period,
-        field.words.start,
-        field.words.end,
-    ] {
+    let w = &field.words;
+    let scalars = [seed, masks.0, masks.1, field.period, w.start, w.end];
+    for v in scalars.into_iter().chain([field.and_mask, field.or_mask]) {
         args.scalar(v);
     }
-    args.scalar(field.and_mask).scalar(field.or_mask);
     let cubes = (n as u32).div_ceil(source.cube_dim.x);
     // SAFETY: `got` holds n words; the kernel bounds-checks against its length.
     unsafe { kernel.launch(launcher.stream(), (cubes, 1, 1), args) }.unwrap();

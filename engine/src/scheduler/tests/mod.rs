@@ -345,6 +345,20 @@ impl Run {
         }
     }
 
+    /// Submits every prompt (ids in order), runs to the end; each one's tokens and usage.
+    fn all(&mut self, prompts: &[Vec<u32>], max_tokens: usize) -> (Vec<Vec<u32>>, Vec<Usage>) {
+        let mut rxs: Vec<_> = (prompts.iter().enumerate())
+            .map(|(i, p)| self.submit(i as u64, p.clone(), max_tokens))
+            .collect();
+        self.run_to_end();
+        rxs.iter_mut()
+            .map(|rx| {
+                let (t, u) = outcome(rx);
+                (t, u.expect("finished"))
+            })
+            .unzip()
+    }
+
     fn run_to_end(&mut self) {
         let mut steps = 0;
         while self.step().is_some() {
@@ -412,17 +426,7 @@ fn run_costed(
     let mut run = Run::new(cfg, pages);
     run.kv.model = model;
     run.cost = cost;
-    let mut rxs: Vec<_> = (0..prompts.len())
-        .map(|i| run.submit(i as u64, prompts[i].clone(), max_tokens))
-        .collect();
-    run.run_to_end();
-    let (tokens, usage) = rxs
-        .iter_mut()
-        .map(|rx| {
-            let (t, u) = outcome(rx);
-            (t, u.expect("finished"))
-        })
-        .unzip();
+    let (tokens, usage) = run.all(prompts, max_tokens);
     (tokens, usage, run.metrics)
 }
 

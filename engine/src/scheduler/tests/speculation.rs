@@ -81,11 +81,7 @@ fn steps_the_policy_drafts_nothing_in_overlap_and_drafted_ones_do_not() {
         run.kv.model = periodic;
         run.cost = Some(cost);
         run.overlap = true;
-        let mut rxs: Vec<_> = (prompts.iter().enumerate())
-            .map(|(i, p)| run.submit(i as u64, p.clone(), 60))
-            .collect();
-        run.run_to_end();
-        let got: Vec<Vec<u32>> = rxs.iter_mut().map(|rx| outcome(rx).0).collect();
+        let (got, _) = run.all(&prompts, 60);
         assert_eq!(got, plain, "drafts pay: {drafts_pay}");
         let (steps, fed) = (run.metrics.steps.get() as usize, run.fed_steps);
         let drafted = run.metrics.spec_drafted_tokens.get();
