@@ -19,10 +19,9 @@
 //! Not yet run on a GPU: `tests/tests/conformance/launcher.rs` is the check (a kernel
 //! launched here equals CubeCL's launch bit for bit, and so does its replayed graph).
 use std::ffi::c_void;
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use cubecl::cuda::CudaRuntime;
+use cubecl::cuda::{install, CudaRuntime};
 use cubecl::prelude::*;
 use cubecl::{InfoBuilder, ScalarArgType};
 pub use cudarc::driver::CudaGraph;
@@ -40,15 +39,6 @@ pub enum LaunchError {
     Driver(#[from] DriverError),
     #[error("{0}")]
     Unsupported(String),
-}
-
-/// The CUDA headers' directory NVRTC is pointed at, as CubeCL's runtime finds it.
-fn cuda_include() -> PathBuf {
-    let root = ["CUDA_PATH", "CUDA_HOME"]
-        .iter()
-        .find_map(std::env::var_os)
-        .map_or_else(|| PathBuf::from("/usr/local/cuda"), PathBuf::from);
-    root.join("include")
 }
 
 /// NVRTC's target for compute capability `major.minor`: the arch-specific one (`sm_90a`)
@@ -103,13 +93,15 @@ impl Launcher {
     /// Compiles `source` for this device as CubeCL's runtime would (NVRTC, the arch-specific
     /// target, the CUDA headers, line info) and loads its entry point.
     pub fn load(&self, source: &CudaSource) -> Result<Kernel, LaunchError> {
-        let include = cuda_include();
+        // The CUDA headers, found as CubeCL's runtime finds them.
+        let include_paths = [install::include_path(), install::cccl_include_path()]
+            .iter()
+            .filter(|dir| dir.is_dir())
+            .map(|dir| dir.display().to_string())
+            .collect();
         let options = CompileOptions {
             arch: Some(self.target),
-            include_paths: vec![
-                include.display().to_string(),
-                include.join("cccl").display().to_string(),
-            ],
+            include_paths,
             options: vec!["-lineinfo".into()],
             ..Default::default()
         };
