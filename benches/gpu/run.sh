@@ -43,7 +43,8 @@ case "${1:-}" in
     cp "$(test_exe kiln hf_conformance)" .gpu/hf_conformance
     cp target/cuda/release/kiln target/cuda/release/layer_decode target/cuda/release/gemm_peer \
       target/cuda/release/gemm_decode target/cuda/release/moe_grouped \
-      target/cuda/release/mla_decode target/cuda/release/mla_prefill target/cuda/release/tree_verify target/cuda/release/sample .gpu/
+      target/cuda/release/mla_decode target/cuda/release/mla_prefill target/cuda/release/tree_verify target/cuda/release/sample \
+      target/cuda/release/launch_cost .gpu/
     strip .gpu/*
     ls -la .gpu
     ;;

@@ -1,0 +1,230 @@
+//! What a launch costs the host, three ways (issue 29): CubeCL's own launch, kiln's launcher
+//! (`kiln_backends::launcher`: CubeCL's generated CUDA C++ through NVRTC, launched on a
+//! stream of kiln's), and the same launches captured once as a CUDA graph and replayed.
+//!
+//! The work is a decode layer's worth of small kernels: a chain of `--launches` SwiGLU
+//! activations over one token's hidden width (7,168 floats), each reading the one before's
+//! output, so every launch waits for the previous one as a layer's do. The three ways are
+//! validated first (the chain's last output is the same bits each way), then timed:
+//! `--reps` chains each, medians reported: host time to issue the chain (per launch), and
+//! wall time until the device has finished it. kiln's arguments (device addresses looked
+//! up through CubeCL) are built before the timed issue, as a step's would be kept; what
+//! building them costs is its own column. CUDA only.
+
+kiln_benches::cuda_main!(cost::run, "launches CUDA kernels three ways");
+
+#[cfg(feature = "cuda")]
+mod cost {
+    use std::time::Instant;
+
+    use clap::Parser;
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+    use cubecl::prelude::*;
+    use kiln_backends::launcher::{Args, Kernel, Launcher};
+    use kiln_benches::device_time::{median, sync};
+    use kiln_benches::report::{fixed, report};
+    use kiln_kernels::activation::{silu_mul, silu_mul_source};
+    use kiln_kernels::DeviceArray;
+    use kiln_reference::data::{normal_with_outliers, Rng};
+
+    #[derive(Parser)]
+    #[command(about = "Host cost of a CUDA launch: CubeCL's, kiln's launcher's, a graph's")]
+    struct Cli {
+        /// Launches in a chain (a Kimi-K2 decode layer issues about 20)
+        #[arg(long, default_value_t = 20)]
+        launches: usize,
+        /// Elements each launch works on (7,168: one token's hidden width)
+        #[arg(long, default_value_t = 7168)]
+        elements: usize,
+        /// Chains timed per way (medians reported)
+        #[arg(long, default_value_t = 50)]
+        reps: usize,
+        /// Write the rows as JSON here
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    }
+
+    #[derive(serde::Serialize)]
+    struct Row {
+        way: &'static str,
+        launches: usize,
+        /// Host microseconds to issue the chain, per launch.
+        issue_us_per_launch: f64,
+        /// Host microseconds to build one launch's arguments (kiln's launcher only).
+        args_us_per_launch: Option<f64>,
+        /// Wall microseconds from the first issue until the device finished the chain.
+        wall_us_per_chain: f64,
+    }
+
+    type Client = ComputeClient<CudaRuntime>;
+
+    /// The chain's buffers: `x` and `y` take turns as input and output, `up` is shared.
+    struct Chain {
+        x: DeviceArray<f32>,
+        y: DeviceArray<f32>,
+        up: DeviceArray<f32>,
+    }
+
+    impl Chain {
+        fn new(client: &Client, start: &[f32], up: &[f32]) -> Self {
+            Chain {
+                x: DeviceArray::upload(client, start),
+                y: DeviceArray::filled(client, start.len(), f32::NAN),
+                up: DeviceArray::upload(client, up),
+            }
+        }
+
+        /// Launch `i`'s input and output.
+        fn step(&self, i: usize) -> (&DeviceArray<f32>, &DeviceArray<f32>) {
+            match i % 2 {
+                0 => (&self.x, &self.y),
+                _ => (&self.y, &self.x),
+            }
+        }
+
+        /// The buffer the chain's last launch wrote.
+        fn last(&self, launches: usize) -> &DeviceArray<f32> {
+            self.step(launches - 1).1
+        }
+
+        fn args(&self, client: &Client, i: usize) -> Args {
+            let (input, output) = self.step(i);
+            let mut args = Args::default();
+            args.array(client, input)
+                .array(client, &self.up)
+                .array(client, output);
+            args
+        }
+    }
+
+    fn bits(client: &Client, a: &DeviceArray<f32>) -> Vec<u32> {
+        a.read(client).into_iter().map(f32::to_bits).collect()
+    }
+
+    pub fn run() -> anyhow::Result<()> {
+        let cli = Cli::parse();
+        anyhow::ensure!(cli.launches > 0 && cli.elements > 0 && cli.reps > 0);
+        let client = CudaRuntime::client(&CudaDevice::default());
+        let launcher = Launcher::new()?;
+        let source = silu_mul_source()?;
+        let kernel: Kernel = launcher.load(&source)?;
+        let cubes = (cli.elements as u32).div_ceil(source.cube_dim.x);
+        let stream = launcher.stream().clone();
+        let mut rng = Rng::new(29);
+        let start = normal_with_outliers(&mut rng, cli.elements, 1.0);
+        // |up| < ~1 keeps the chain's values finite over many launches.
+        let up = normal_with_outliers(&mut rng, cli.elements, 0.3);
+        let n = cli.launches;
+
+        let cubecl_chain = Chain::new(&client, &start, &up);
+        let cubecl_issue = |chain: &Chain| {
+            for i in 0..n {
+                let (input, output) = chain.step(i);
+                silu_mul(&client, input, &chain.up, output).expect("silu_mul");
+            }
+        };
+        let kiln_chain = Chain::new(&client, &start, &up);
+        let kiln_args = |chain: &Chain| (0..n).map(|i| chain.args(&client, i)).collect::<Vec<_>>();
+        let kiln_issue = |args: Vec<Args>| {
+            for a in args {
+                // SAFETY: every array holds `elements` floats; the kernel reads its input and
+                // `up` and writes its output, all live for the chain.
+                unsafe { kernel.launch(&stream, (cubes, 1, 1), a) }.expect("launch");
+            }
+        };
+        let graph_chain = Chain::new(&client, &start, &up);
+        sync(&client); // the uploads are on CubeCL's stream: done before kiln's reads
+
+        // Validate: one chain each way from the same start.
+        cubecl_issue(&cubecl_chain);
+        let want = bits(&client, cubecl_chain.last(n));
+        kiln_issue(kiln_args(&kiln_chain));
+        stream.synchronize()?;
+        anyhow::ensure!(
+            bits(&client, kiln_chain.last(n)) == want,
+            "kiln's launches differ from CubeCL's"
+        );
+        let graph_args = kiln_args(&graph_chain);
+        let graph = launcher.capture(|s| {
+            for a in graph_args {
+                // SAFETY: as in `kiln_issue`; the chain's buffers outlive the graph.
+                unsafe { kernel.launch(s, (cubes, 1, 1), a) }?;
+            }
+            Ok(())
+        })?;
+        graph.launch()?;
+        stream.synchronize()?;
+        anyhow::ensure!(
+            bits(&client, graph_chain.last(n)) == want,
+            "the replayed graph differs from CubeCL's launches"
+        );
+
+        let per_launch = |t: f64| t * 1e6 / n as f64;
+        let (mut rows, mut issue, mut wall, mut build) = (Vec::new(), vec![], vec![], vec![]);
+        for _ in 0..cli.reps {
+            let t = Instant::now();
+            cubecl_issue(&cubecl_chain);
+            issue.push(t.elapsed().as_secs_f64());
+            sync(&client);
+            wall.push(t.elapsed().as_secs_f64());
+        }
+        rows.push(Row {
+            way: "CubeCL launch",
+            launches: n,
+            issue_us_per_launch: per_launch(median(std::mem::take(&mut issue))),
+            args_us_per_launch: None,
+            wall_us_per_chain: median(std::mem::take(&mut wall)) * 1e6,
+        });
+        for _ in 0..cli.reps {
+            let t = Instant::now();
+            let args = kiln_args(&kiln_chain);
+            build.push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            kiln_issue(args);
+            issue.push(t.elapsed().as_secs_f64());
+            stream.synchronize()?;
+            wall.push(t.elapsed().as_secs_f64());
+        }
+        rows.push(Row {
+            way: "kiln launcher",
+            launches: n,
+            issue_us_per_launch: per_launch(median(std::mem::take(&mut issue))),
+            args_us_per_launch: Some(per_launch(median(build))),
+            wall_us_per_chain: median(std::mem::take(&mut wall)) * 1e6,
+        });
+        for _ in 0..cli.reps {
+            let t = Instant::now();
+            graph.launch()?;
+            issue.push(t.elapsed().as_secs_f64());
+            stream.synchronize()?;
+            wall.push(t.elapsed().as_secs_f64());
+        }
+        rows.push(Row {
+            way: "graph replay",
+            launches: n,
+            issue_us_per_launch: per_launch(median(issue)),
+            args_us_per_launch: None,
+            wall_us_per_chain: median(wall) * 1e6,
+        });
+        report(
+            &[
+                ("way", 14),
+                ("launches", 8),
+                ("issue us/launch", 15),
+                ("args us/launch", 14),
+                ("wall us/chain", 13),
+            ],
+            &rows,
+            |r| {
+                vec![
+                    r.way.to_string(),
+                    r.launches.to_string(),
+                    fixed(r.issue_us_per_launch, 2),
+                    r.args_us_per_launch.map_or("-".into(), |a| fixed(a, 2)),
+                    fixed(r.wall_us_per_chain, 1),
+                ]
+            },
+            cli.json.as_ref(),
+        )
+    }
+}
