@@ -584,8 +584,12 @@ impl Scheduler {
     }
 
     /// `n` pages from the free list, evicting cached prefixes if needed (at least
-    /// [`EVICT_BATCH`] pages at a time: each eviction walks the cache's leaves).
+    /// [`EVICT_BATCH`] pages at a time: each eviction walks the cache's leaves); `None`,
+    /// evicting nothing, if the free pages and those only the cache holds are too few.
     fn take_pages(&mut self, n: usize) -> Option<Vec<u32>> {
+        if n > self.pool.free_pages() + self.pool.cache_only_pages() {
+            return None;
+        }
         let short = n.saturating_sub(self.pool.free_pages());
         if short > 0 {
             self.cache.evict(short.max(EVICT_BATCH), &mut self.pool);

@@ -85,6 +85,41 @@ fn a_repeated_prompt_reuses_every_whole_cached_page() {
     assert_eq!(run.metrics.cached_tokens.get(), 28);
 }
 
+/// A request whose first chunk needs more pages than eviction could free waits without
+/// evicting anything: the cached prefix is still there for the turn that comes back to it.
+#[test]
+fn a_request_that_cannot_start_yet_evicts_nothing() {
+    let cfg = SchedulerConfig {
+        eos_token_ids: Vec::new(),
+        ..config(4, 64, 4)
+    };
+    let mut run = Run::new(cfg, 12);
+    let cached: Vec<u32> = (100..116).collect();
+    let _first = run.submit(0, cached.clone(), 1);
+    run.run_to_end();
+    assert_eq!(
+        run.sched.cache.cached_pages(),
+        4,
+        "the first turn's 16 tokens"
+    );
+    let running = run.submit(1, (200..222).collect(), 1000);
+    run.step();
+    assert_eq!(run.sched.running.len(), 1);
+    // 8 pages wanted; 2 free and 4 the cache alone holds.
+    let mut big = run.submit(2, (300..332).collect(), 1);
+    run.step();
+    assert_eq!(run.sched.waiting.len(), 1, "{}", run.sched.describe());
+    let hit = run.sched.cache.lookup(&cached);
+    assert_eq!(hit.device.len(), 4, "{}", run.sched.describe());
+    drop(running);
+    run.run_to_end();
+    assert_eq!(
+        outcome(&mut big).0.len(),
+        1,
+        "it starts once the pool has room"
+    );
+}
+
 #[test]
 fn requests_sent_together_with_one_prefix_compute_it_once() {
     for overlap in [false, true] {
