@@ -10,14 +10,17 @@ pub enum BackendKind {
     Wgpu,
     /// NVIDIA GPUs through CUDA and NVRTC.
     Cuda,
+    /// CUDA with every kernel and copy on a stream of kiln's instead of CubeCL's
+    /// (`routed::KilnCuda`): the same kernels, launched by kiln's launcher.
+    CudaRouted,
 }
 
 /// Why a backend cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    #[error("unknown backend {0:?} (expected \"wgpu\" or \"cuda\")")]
+    #[error("unknown backend {0:?} (expected \"wgpu\", \"cuda\" or \"cuda-routed\")")]
     Unknown(String),
-    #[error("backend {0} is not compiled into this binary (rebuild with `--features {0}`)")]
+    #[error("backend {0} is not compiled into this binary (rebuild with `--features {feature}`)", feature = .0.feature())]
     NotCompiled(BackendKind),
 }
 
@@ -26,12 +29,20 @@ impl BackendKind {
     pub fn compiled() -> Vec<BackendKind> {
         let mut kinds = Vec::new();
         if cfg!(feature = "cuda") {
-            kinds.push(BackendKind::Cuda);
+            kinds.extend([BackendKind::Cuda, BackendKind::CudaRouted]);
         }
         if cfg!(feature = "wgpu") {
             kinds.push(BackendKind::Wgpu);
         }
         kinds
+    }
+
+    /// The cargo feature that compiles this backend in.
+    pub fn feature(self) -> &'static str {
+        match self {
+            BackendKind::Wgpu => "wgpu",
+            BackendKind::Cuda | BackendKind::CudaRouted => "cuda",
+        }
     }
 
     /// The backend to use: `requested` if given, else `KILN_BACKEND`, else CUDA when it is
@@ -59,6 +70,7 @@ impl FromStr for BackendKind {
         match s.to_ascii_lowercase().as_str() {
             "wgpu" => Ok(BackendKind::Wgpu),
             "cuda" => Ok(BackendKind::Cuda),
+            "cuda-routed" => Ok(BackendKind::CudaRouted),
             other => Err(BackendError::Unknown(other.to_string())),
         }
     }
@@ -69,6 +81,7 @@ impl fmt::Display for BackendKind {
         f.write_str(match self {
             BackendKind::Wgpu => "wgpu",
             BackendKind::Cuda => "cuda",
+            BackendKind::CudaRouted => "cuda-routed",
         })
     }
 }
@@ -81,6 +94,11 @@ mod tests {
     fn names_parse_case_insensitively() {
         assert_eq!("CUDA".parse::<BackendKind>().unwrap(), BackendKind::Cuda);
         assert_eq!("wgpu".parse::<BackendKind>().unwrap(), BackendKind::Wgpu);
+        let routed = "Cuda-Routed".parse::<BackendKind>().unwrap();
+        assert_eq!(
+            (routed, routed.to_string()),
+            (BackendKind::CudaRouted, "cuda-routed".into())
+        );
     }
 
     #[test]

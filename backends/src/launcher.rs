@@ -57,6 +57,7 @@ pub struct Launcher {
     context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     target: &'static str,
+    arch: u32,
 }
 
 impl Launcher {
@@ -68,7 +69,13 @@ impl Launcher {
             context,
             stream,
             target: target(major, minor),
+            arch: (major * 10 + minor) as u32,
         })
+    }
+
+    /// The device's compute capability as `major * 10 + minor`.
+    pub fn arch(&self) -> u32 {
+        self.arch
     }
 
     /// kiln's stream: launches go here, and so do captures.
@@ -182,11 +189,27 @@ impl Kernel {
                 "a kernel whose info spills into dynamic metadata".into(),
             ));
         }
-        let mut params: Vec<*mut c_void> = (args.addresses.iter_mut())
+        // SAFETY: the caller vouches for the arguments.
+        unsafe { self.launch_raw(stream, cubes, &mut args.addresses, &info.data) }
+    }
+
+    /// Launches the kernel with its parameters as they are passed: each array's device
+    /// address, then the info words (passed by value; none if empty).
+    ///
+    /// # Safety
+    /// As [`Self::launch`]: `addresses` and `info` are this launch's, in the kernel's order.
+    pub unsafe fn launch_raw(
+        &self,
+        stream: &CudaStream,
+        cubes: (u32, u32, u32),
+        addresses: &mut [u64],
+        info: &[u64],
+    ) -> Result<(), LaunchError> {
+        let mut params: Vec<*mut c_void> = (addresses.iter_mut())
             .map(|address| address as *mut u64 as *mut c_void)
             .collect();
-        if !info.data.is_empty() {
-            params.push(info.data.as_ptr() as *mut c_void);
+        if !info.is_empty() {
+            params.push(info.as_ptr() as *mut c_void);
         }
         let d = self.cube_dim;
         // SAFETY: the caller vouches for the arguments; `params` and the info outlive the

@@ -9,14 +9,16 @@ mod kind;
 pub mod launcher;
 mod memory;
 mod report;
+#[cfg(feature = "cuda")]
+pub mod routed;
 mod runtimes;
 mod testgen;
 
 pub use kind::{BackendError, BackendKind};
 pub use memory::free_memory;
 pub use report::DeviceReport;
-#[cfg(feature = "cuda")]
-pub use runtimes::Cuda;
 #[cfg(feature = "wgpu")]
 pub use runtimes::Wgpu;
 pub use runtimes::{with_backend, Backend, BackendVisitor};
+#[cfg(feature = "cuda")]
+pub use runtimes::{Cuda, CudaRouted};

@@ -7,7 +7,7 @@ use crate::BackendKind;
 pub fn free_memory(kind: BackendKind) -> Option<u64> {
     match kind {
         #[cfg(feature = "cuda")]
-        BackendKind::Cuda => cudarc::driver::CudaContext::new(0)
+        BackendKind::Cuda | BackendKind::CudaRouted => cudarc::driver::CudaContext::new(0)
             .and_then(|ctx| ctx.mem_get_info())
             .map(|(free, _total)| free as u64)
             .ok(),

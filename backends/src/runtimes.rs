@@ -29,6 +29,8 @@ pub fn with_backend<V: BackendVisitor>(
         BackendKind::Wgpu => Ok(visitor.visit(Wgpu::client(), Wgpu::report())),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => Ok(visitor.visit(Cuda::client(), Cuda::report())),
+        #[cfg(feature = "cuda")]
+        BackendKind::CudaRouted => Ok(visitor.visit(CudaRouted::client(), CudaRouted::report())),
         #[allow(unreachable_patterns)]
         other => Err(BackendError::NotCompiled(other)),
     }
@@ -81,11 +83,31 @@ mod wgpu_backend {
 #[cfg(feature = "cuda")]
 pub struct Cuda;
 
+/// CUDA (device 0) with kernels and copies on kiln's stream: [`crate::routed::KilnCuda`].
+#[cfg(feature = "cuda")]
+pub struct CudaRouted;
+
 #[cfg(feature = "cuda")]
 mod cuda_backend {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
 
     use super::*;
+    use crate::routed::KilnCuda;
+
+    /// Device 0's name and compute capability, which CubeCL does not report.
+    fn device_name() -> (String, String) {
+        match cudarc::driver::CudaContext::new(0) {
+            Ok(ctx) => {
+                let name = ctx.name().unwrap_or_else(|e| format!("unknown ({e})"));
+                let arch = match ctx.compute_capability() {
+                    Ok((major, minor)) => format!("sm_{major}{minor}"),
+                    Err(e) => format!("unknown ({e})"),
+                };
+                (name, arch)
+            }
+            Err(e) => (format!("unavailable ({e})"), "unknown".to_string()),
+        }
+    }
 
     impl Backend for Cuda {
         type Runtime = CudaRuntime;
@@ -96,17 +118,21 @@ mod cuda_backend {
         }
 
         fn report() -> DeviceReport {
-            let (name, arch) = match cudarc::driver::CudaContext::new(0) {
-                Ok(ctx) => {
-                    let name = ctx.name().unwrap_or_else(|e| format!("unknown ({e})"));
-                    let arch = match ctx.compute_capability() {
-                        Ok((major, minor)) => format!("sm_{major}{minor}"),
-                        Err(e) => format!("unknown ({e})"),
-                    };
-                    (name, arch)
-                }
-                Err(e) => (format!("unavailable ({e})"), "unknown".to_string()),
-            };
+            let (name, arch) = device_name();
+            DeviceReport::from_client(Self::KIND, name, arch, &Self::client())
+        }
+    }
+
+    impl Backend for CudaRouted {
+        type Runtime = KilnCuda;
+        const KIND: BackendKind = BackendKind::CudaRouted;
+
+        fn client() -> ComputeClient<KilnCuda> {
+            KilnCuda::client(&CudaDevice::default())
+        }
+
+        fn report() -> DeviceReport {
+            let (name, arch) = device_name();
             DeviceReport::from_client(Self::KIND, name, arch, &Self::client())
         }
     }

@@ -9,7 +9,8 @@
 //! }
 //! ```
 //! expands to `wgpu::small_shapes`, `wgpu::gemm::f32`, `wgpu::gemm::bf16` and the same under
-//! `cuda::` for the backends the calling crate enables through its `wgpu` / `cuda` features.
+//! `cuda::` and `cuda_routed::` (CUDA with kiln's launcher) for the backends the calling
+//! crate enables through its `wgpu` / `cuda` features.
 //! A dtype the device cannot store is an explicit, logged skip, not a pass in silence.
 
 /// Stamps out the tests; see the module docs.
@@ -23,6 +24,10 @@ macro_rules! backend_tests {
         #[cfg(feature = "cuda")]
         mod cuda {
             $crate::backend_tests!(@backend $crate::Cuda; $($body $([$($dtype),+])?),*);
+        }
+        #[cfg(feature = "cuda")]
+        mod cuda_routed {
+            $crate::backend_tests!(@backend $crate::CudaRouted; $($body $([$($dtype),+])?),*);
         }
     };
     (@backend $backend:path; $($body:ident $([$($dtype:ident),+])?),*) => {

@@ -56,20 +56,10 @@ pub fn cuda_source(
         .kernel_name(name);
     settings.address_type.register(&mut builder.scope);
     define(&mut builder);
-    let options = CompilationOptions {
-        warp_size: 32,
-        supports_features: CppSupportedFeatures {
-            grid_constants: true,
-            clusters: true,
-            fast_math: true,
-            elect_sync: true,
-            ..Default::default()
-        },
-    };
     CppCompiler::<CudaDialect<CudaWmmaCompiler>>::default()
         .compile(
             builder.build(settings),
-            &options,
+            &compilation_options(90),
             ExecutionMode::Unchecked,
             AddressType::U32.unsigned_type(),
         )
@@ -83,6 +73,24 @@ pub fn cuda_source(
             feature: format!("{name} ({err})"),
             device: "CubeCL's CUDA compiler".into(),
         })
+}
+
+/// The options CubeCL 0.10's CUDA runtime compiles with on a device of compute capability
+/// `arch` (`major * 10 + minor`; `CudaServer`'s initialisation), for a CUDA 12.8 or newer
+/// toolkit: fast math, `__grid_constant__` info from sm_70, fast `tanh` from sm_75,
+/// clusters and `elect.sync` from sm_90.
+pub fn compilation_options(arch: u32) -> CompilationOptions {
+    CompilationOptions {
+        warp_size: 32,
+        supports_features: CppSupportedFeatures {
+            fast_math: true,
+            grid_constants: arch >= 70,
+            fast_tanh: arch >= 75,
+            clusters: arch >= 90,
+            elect_sync: arch >= 90,
+            ..Default::default()
+        },
+    }
 }
 
 /// The next parameter, an input array (`&Array<C>`).

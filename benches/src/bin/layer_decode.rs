@@ -27,7 +27,7 @@ use kiln_kernels::mla::{KvFormat, PER_HEAD_MIN_Q_LEN};
 /// Kimi-K2 per-layer decode and prefill timing on the device.
 #[derive(Parser)]
 struct Args {
-    /// Backend: wgpu or cuda (default: KILN_BACKEND, else cuda if compiled in).
+    /// Backend: wgpu, cuda or cuda-routed (default: KILN_BACKEND, else cuda if compiled in).
     #[arg(long)]
     backend: Option<String>,
     /// Decode batch sizes.

@@ -16,7 +16,7 @@ pub struct DeviceArgs {
     /// Kernel precision: bf16 (tensor cores) or exact (f32 operands, slower).
     #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
     pub precision: PrecisionArg,
-    /// Backend: wgpu or cuda (default: KILN_BACKEND, else CUDA when compiled in).
+    /// Backend: wgpu, cuda or cuda-routed (CUDA with every kernel launched by kiln on its own stream) (default: KILN_BACKEND, else CUDA when compiled in).
     #[arg(long)]
     pub backend: Option<String>,
 }

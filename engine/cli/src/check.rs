@@ -10,7 +10,7 @@ use kiln_conformance::CaseReport;
 
 #[derive(Args)]
 pub struct CheckArgs {
-    /// Backend to check: wgpu or cuda (default: KILN_BACKEND, else cuda if compiled in).
+    /// Backend to check: wgpu, cuda or cuda-routed (default: KILN_BACKEND, else cuda if compiled in).
     #[arg(long)]
     backend: Option<String>,
     /// Also write the device report and every case's result to this JSON file.

@@ -5,7 +5,7 @@ use kiln_backends::{with_backend, BackendKind, BackendVisitor, DeviceReport};
 
 #[derive(Args)]
 pub struct InfoArgs {
-    /// Backend to report on: wgpu or cuda (default: KILN_BACKEND, else cuda if compiled in).
+    /// Backend to report on: wgpu, cuda or cuda-routed (default: KILN_BACKEND, else cuda if compiled in).
     #[arg(long)]
     backend: Option<String>,
     /// Print JSON instead of text.

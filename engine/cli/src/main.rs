@@ -16,7 +16,7 @@ use clap::{Parser, Subcommand};
 /// mixture-of-experts models, with kernels written once in CubeCL for CUDA and wgpu.
 ///
 /// Logs go to stderr; set RUST_LOG (e.g. RUST_LOG=debug) for more. KILN_BACKEND picks the
-/// backend (wgpu or cuda) when --backend is not given; the default is CUDA when compiled in.
+/// backend (wgpu, cuda or cuda-routed) when --backend is not given; the default is CUDA when compiled in.
 #[derive(Parser)]
 #[command(name = "kiln", version, about, long_about)]
 struct Cli {
