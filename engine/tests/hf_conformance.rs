@@ -624,3 +624,39 @@ kiln_backends::backend_tests! {
     a_draft_tree_scores_each_node_as_its_path_alone,
     sampling_steps_return_the_draws_from_their_logits,
 }
+
+/// The `cuda-routed` backend launches the same kernels as CubeCL's CUDA runtime, compiled
+/// the same way, on kiln's stream: the served model's logits, prefilled over a bf16 cache
+/// and then decoded token by token over an fp8 one, are the same bits on both.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_routed_runtime_computes_cubecls_bits() {
+    use kiln_backends::{Backend, Cuda, CudaRouted};
+    fn logits<R: Runtime>(client: &ComputeClient<R>) -> Vec<u32> {
+        let (_, model) = device_model(client, "tiny-kimi-nvfp4", Precision::Bf16);
+        let (tokens, _) = golden(&fixture("tiny-kimi-nvfp4")).pop().unwrap();
+        let mut bits: Vec<u32> = prefill(&model, &tokens, KvFormat::Bf16)
+            .into_iter()
+            .map(|x| (x as f32).to_bits())
+            .collect();
+        let pool = model.kv_pool(tokens.len(), 1, KvFormat::Fp8);
+        let table: Vec<u32> = (0..tokens.len() as u32).collect();
+        for end in 1..=tokens.len() {
+            let slice = RequestSlice {
+                tokens: tokens[end - 1..end].to_vec(),
+                kv_len: end,
+                block_table: table[..end].to_vec(),
+                tree: None,
+            };
+            let out = model.forward(&Batch::new(vec![slice]), &pool).unwrap();
+            bits.extend(out.iter().map(|x| x.to_bits()));
+        }
+        bits
+    }
+    let theirs = logits(&Cuda::client());
+    let ours = logits(&CudaRouted::client());
+    assert_eq!(theirs.len(), ours.len());
+    let differ = theirs.iter().zip(&ours).filter(|(a, b)| a != b).count();
+    assert_eq!(differ, 0, "{differ} of {} logits differ", theirs.len());
+}
+
