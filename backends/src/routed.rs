@@ -20,9 +20,14 @@
 //!
 //! A sync waits for both streams. Errors of routed work are reported by the next sync or
 //! read, as CubeCL reports its own.
+//!
+//! Since every launch lands on kiln's stream, [`capture`] records what any code issues
+//! through a client into a CUDA graph: kiln's kernel functions, unchanged. The recorded
+//! work may launch kernels only (no copies, reads or syncs: those are not capturable), and
+//! the buffers it uses must outlive the graph and stay where they are.
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cubecl::backtrace::BackTrace;
 use cubecl::bytes::Bytes;
@@ -43,10 +48,10 @@ use cubecl_runtime::allocator::PitchedMemoryLayoutPolicy;
 use cubecl_runtime::id::KernelId;
 use cubecl_runtime::memory_management::{ManagedMemoryHandle, MemoryAllocationMode, MemoryUsage};
 use cubecl_runtime::storage::{ComputeStorage, ManagedResource};
-use cudarc::driver::{result, CudaStream};
+use cudarc::driver::{result, sys, CudaGraph, CudaStream};
 use kiln_kernels::cuda_source::{compilation_options, CudaSource};
 
-use crate::launcher::{Kernel, Launcher};
+use crate::launcher::{Kernel, LaunchError, Launcher};
 
 type Inner = <CudaRuntime as Runtime>::Server;
 type Compiler = <CudaRuntime as Runtime>::Compiler;
@@ -119,10 +124,47 @@ fn server_error(what: &str, err: impl std::fmt::Display) -> ServerError {
     }
 }
 
+/// The stream of device 0's routed server, once it exists (for [`capture`]).
+static STREAM: OnceLock<Arc<CudaStream>> = OnceLock::new();
+
+/// Records the kernels `record` launches through `client` (device 0's [`KilnCuda`]) into a
+/// CUDA graph on kiln's stream, without running them; [`CudaGraph::launch`] replays them
+/// there, after whatever the client issued before the call. `record` may only launch
+/// kernels (module docs).
+pub fn capture(
+    client: &ComputeClient<KilnCuda>,
+    record: impl FnOnce() -> Result<(), kiln_kernels::KernelError>,
+) -> Result<CudaGraph, LaunchError> {
+    let flushed = |what: &str| {
+        client
+            .flush()
+            .map_err(|e| LaunchError::Unsupported(format!("{what}: {e}")))
+    };
+    // The server exists once the client does; everything issued so far is on the stream.
+    flushed("before the capture")?;
+    let stream = STREAM
+        .get()
+        .ok_or_else(|| LaunchError::Unsupported("no routed CUDA server".into()))?;
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+    let recorded = record().map_err(|e| LaunchError::Unsupported(e.to_string()));
+    // The server thread has launched all of it (into the capture) once this returns.
+    let issued = flushed("the captured work");
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    recorded?;
+    issued?;
+    graph?.ok_or_else(|| LaunchError::Unsupported("a capture of no work".into()))
+}
+
 impl DeviceService for Routed {
     fn init(device_id: DeviceId) -> Self {
         let inner = <Inner as DeviceService>::init(device_id);
+        assert_eq!(
+            device_id.index_id, 0,
+            "kiln's routed CUDA runtime runs on device 0"
+        );
         let launcher = Launcher::new().expect("kiln's CUDA launcher on device 0");
+        // One server per device and runtime: set once.
+        let _ = STREAM.set(launcher.stream().clone());
         let arch = launcher.arch();
         let theirs = ComputeServer::utilities(&inner);
         let utilities = ServerUtilities::new(

@@ -3,9 +3,13 @@
 //! CUDA graph on kiln's stream and replayed after CubeCL wrote a new input into the same
 //! buffer and poisoned the output, it writes what CubeCL's launch writes for the new input.
 //! And the random fill, whose eight scalars travel in the info struct, writes the same
-//! words both ways. CUDA only.
+//! words both ways. And kiln's own kernel functions, unchanged, issued through the routed
+//! runtime (`cuda-routed`) are captured into a graph and replayed: a chain of two
+//! launches writes what CubeCL's launches write, for inputs changed in place between
+//! replays. CUDA only.
 use kiln_backends::launcher::{Args, Kernel, Launcher};
-use kiln_backends::{Backend, Cuda};
+use kiln_backends::routed::capture;
+use kiln_backends::{Backend, Cuda, CudaRouted};
 use kiln_kernels::activation::{silu_mul, silu_mul_source};
 use kiln_kernels::fill::{fill_random_records, fill_source, Field};
 use kiln_kernels::DeviceArray;
@@ -112,4 +116,68 @@ fn the_random_fill_through_kilns_launcher_equals_cubecls_launch() {
     unsafe { kernel.launch(launcher.stream(), (cubes, 1, 1), args) }.unwrap();
     launcher.stream().synchronize().unwrap();
     assert_eq!(got.read(&client), expected);
+}
+
+#[test]
+fn kernel_functions_issued_through_the_routed_runtime_are_captured_and_replayed() {
+    let n = 70_001;
+    // What CubeCL's own runtime computes for the chain mid = silu(x) * up, out = silu(mid) * up.
+    let expect = |x: &[f32], up: &[f32]| {
+        let client = Cuda::client();
+        let (x, up) = (
+            DeviceArray::upload(&client, x),
+            DeviceArray::upload(&client, up),
+        );
+        let (mid, out) = (
+            DeviceArray::uninit(&client, n),
+            DeviceArray::uninit(&client, n),
+        );
+        silu_mul(&client, &x, &up, &mid).unwrap();
+        silu_mul(&client, &mid, &up, &out).unwrap();
+        bits(out.read(&client))
+    };
+    let client = CudaRouted::client();
+    let (first, second, up) = (values(n, 4), values(n, 5), values(n, 6));
+    let x = DeviceArray::upload(&client, &first);
+    let other = DeviceArray::upload(&client, &second);
+    let up_d = DeviceArray::upload(&client, &up);
+    let ones = DeviceArray::filled(&client, n, 1.0f32);
+    let poison = DeviceArray::filled(&client, n, f32::NAN);
+    let (mid, out) = (
+        DeviceArray::uninit(&client, n),
+        DeviceArray::uninit(&client, n),
+    );
+    let chain = || {
+        silu_mul(&client, &x, &up_d, &mid)?;
+        silu_mul(&client, &mid, &up_d, &out)
+    };
+    chain().unwrap(); // compiled, and run once eagerly
+    assert_eq!(
+        bits(out.read(&client)),
+        expect(&first, &up),
+        "routed, eagerly"
+    );
+    silu_mul(&client, &poison, &ones, &out).unwrap();
+    let graph = capture(&client, chain).unwrap();
+    assert!(
+        out.read(&client).iter().all(|v| v.is_nan()),
+        "a capture runs nothing"
+    );
+    graph.launch().unwrap();
+    assert_eq!(
+        bits(out.read(&client)),
+        expect(&first, &up),
+        "the first replay"
+    );
+    // x = silu(other) * 1 in place, the output poisoned, then the graph again.
+    silu_mul(&client, &other, &ones, &x).unwrap();
+    silu_mul(&client, &poison, &ones, &out).unwrap();
+    let moved = bits(x.read(&client));
+    graph.launch().unwrap();
+    let moved: Vec<f32> = moved.into_iter().map(f32::from_bits).collect();
+    assert_eq!(
+        bits(out.read(&client)),
+        expect(&moved, &up),
+        "a replay on new inputs"
+    );
 }
