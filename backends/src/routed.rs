@@ -13,10 +13,10 @@
 //! Copies go the same way, so CubeCL's own stream carries nothing kiln's must wait for:
 //! writes are `cuMemcpyHtoDAsync` on kiln's stream to the buffer's address, reads copy into
 //! pinned staging on kiln's stream and complete when its event does. CubeCL still manages
-//! memory: its pools grow with `cuMemAllocAsync` on its stream, so a growth is waited for
+//! memory: its pools grow (and shrink) in its stream's order, so a change is waited for
 //! (its stream synchronised) before kiln's stream may touch the new memory. What the wrapper
-//! does not route (a dynamic cube count, tensor maps: kiln uses neither) runs on CubeCL's
-//! stream between synchronisations of both.
+//! does not route (a dynamic cube count, tensor maps, info too long to pass by value: kiln
+//! uses none of them) runs on CubeCL's stream between synchronisations of both.
 //!
 //! A sync waits for both streams. Errors of routed work are reported by the next sync or
 //! read, as CubeCL reports its own.
@@ -106,7 +106,7 @@ pub struct Routed {
     kernels: HashMap<KernelId, Kernel>,
     /// Pinned buffers reads stage through, back once their read completed.
     staging: Arc<Mutex<Vec<Pinned>>>,
-    /// Bytes CubeCL's pools had reserved when last looked at (growth is waited for).
+    /// Bytes CubeCL's pools had reserved when last looked at (a change is waited for).
     reserved: u64,
     errors: Vec<ServerError>,
 }
@@ -205,11 +205,11 @@ impl Routed {
         Ok(self.inner.get_resource(binding, stream_id)?.resource().ptr)
     }
 
-    /// Waits for CubeCL's stream if its pools grew since last looked at: the new memory was
-    /// allocated in its stream's order.
+    /// Waits for CubeCL's stream if its pools changed since last looked at: new memory is
+    /// allocated, and released memory freed, in its stream's order.
     fn settle_allocations(&mut self, stream_id: StreamId) -> Result<(), ServerError> {
         let reserved = self.inner.memory_usage(stream_id)?.bytes_reserved;
-        if reserved > self.reserved {
+        if reserved != self.reserved {
             cubecl::future::block_on(self.inner.sync(stream_id))?;
         }
         self.reserved = reserved;
@@ -263,13 +263,6 @@ impl Routed {
         mode: ExecutionMode,
         stream_id: StreamId,
     ) -> Result<(), ServerError> {
-        let info = &bindings.info;
-        if info.dynamic_metadata_offset < info.data.len() {
-            return Err(server_error(
-                "kiln's launcher",
-                "a kernel whose info spills into dynamic metadata",
-            ));
-        }
         self.settle_allocations(stream_id)?;
         let mut addresses = (bindings.buffers.into_iter())
             .map(|b| self.address(b, stream_id))
@@ -474,8 +467,11 @@ impl ComputeServer for Routed {
         mode: ExecutionMode,
         stream_id: StreamId,
     ) {
+        let info = &bindings.info;
+        let routable =
+            bindings.tensor_maps.is_empty() && info.dynamic_metadata_offset >= info.data.len();
         let result = match count {
-            CubeCount::Static(x, y, z) if bindings.tensor_maps.is_empty() => {
+            CubeCount::Static(x, y, z) if routable => {
                 self.launch_routed(kernel, (x, y, z), bindings, mode, stream_id)
             }
             // SAFETY: the caller's launch, as it asked for it, on CubeCL's stream.
