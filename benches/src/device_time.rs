@@ -31,7 +31,7 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-pub fn sync(client: &Client) {
+pub fn sync<R: Runtime>(client: &ComputeClient<R>) {
     cubecl::future::block_on(client.sync()).expect("sync");
 }
 

@@ -1,6 +1,8 @@
-//! What a launch costs the host, three ways (issue 29): CubeCL's own launch, kiln's launcher
+//! What a launch costs the host, four ways (issue 29): CubeCL's own launch; the same call
+//! through the `cuda-routed` runtime (`kiln_backends::routed`: CubeCL's client, kiln's
+//! launcher behind its server); kiln's launcher called directly
 //! (`kiln_backends::launcher`: CubeCL's generated CUDA C++ through NVRTC, launched on a
-//! stream of kiln's), and the same launches captured once as a CUDA graph and replayed.
+//! stream of kiln's); and the same launches captured once as a CUDA graph and replayed.
 //!
 //! The work is a decode layer's worth of small kernels: a chain of `--launches` SwiGLU
 //! activations over one token's hidden width (7,168 floats), each reading the one before's
@@ -21,6 +23,7 @@ mod cost {
     use cubecl::cuda::{CudaDevice, CudaRuntime};
     use cubecl::prelude::*;
     use kiln_backends::launcher::{Args, Kernel, Launcher};
+    use kiln_backends::routed::KilnCuda;
     use kiln_benches::device_time::{median, sync};
     use kiln_benches::report::{fixed, report};
     use kiln_kernels::activation::{silu_mul, silu_mul_source};
@@ -66,7 +69,7 @@ mod cost {
     }
 
     impl Chain {
-        fn new(client: &Client, start: &[f32], up: &[f32]) -> Self {
+        fn new<R: Runtime>(client: &ComputeClient<R>, start: &[f32], up: &[f32]) -> Self {
             Chain {
                 x: DeviceArray::upload(client, start),
                 y: DeviceArray::filled(client, start.len(), f32::NAN),
@@ -97,8 +100,16 @@ mod cost {
         }
     }
 
-    fn bits(client: &Client, a: &DeviceArray<f32>) -> Vec<u32> {
+    fn bits<R: Runtime>(client: &ComputeClient<R>, a: &DeviceArray<f32>) -> Vec<u32> {
         a.read(client).into_iter().map(f32::to_bits).collect()
+    }
+
+    /// Issues the chain over `chain` through `client`'s runtime: one `silu_mul` a launch.
+    fn issue<R: Runtime>(client: &ComputeClient<R>, chain: &Chain, n: usize) {
+        for i in 0..n {
+            let (input, output) = chain.step(i);
+            silu_mul(client, input, &chain.up, output).expect("silu_mul");
+        }
     }
 
     pub fn run() -> anyhow::Result<()> {
@@ -117,12 +128,9 @@ mod cost {
         let n = cli.launches;
 
         let cubecl_chain = Chain::new(&client, &start, &up);
-        let cubecl_issue = |chain: &Chain| {
-            for i in 0..n {
-                let (input, output) = chain.step(i);
-                silu_mul(&client, input, &chain.up, output).expect("silu_mul");
-            }
-        };
+        let routed = KilnCuda::client(&CudaDevice::default());
+        let routed_chain = Chain::new(&routed, &start, &up);
+        sync(&routed);
         let kiln_chain = Chain::new(&client, &start, &up);
         let kiln_args = |chain: &Chain| (0..n).map(|i| chain.args(&client, i)).collect::<Vec<_>>();
         let kiln_issue = |args: Vec<Args>| {
@@ -136,8 +144,13 @@ mod cost {
         sync(&client); // the uploads are on CubeCL's stream: done before kiln's reads
 
         // Validate: one chain each way from the same start.
-        cubecl_issue(&cubecl_chain);
+        issue(&client, &cubecl_chain, n);
         let want = bits(&client, cubecl_chain.last(n));
+        issue(&routed, &routed_chain, n);
+        anyhow::ensure!(
+            bits(&routed, routed_chain.last(n)) == want,
+            "the routed runtime's launches differ from CubeCL's"
+        );
         kiln_issue(kiln_args(&kiln_chain));
         stream.synchronize()?;
         anyhow::ensure!(
@@ -160,18 +173,32 @@ mod cost {
         );
 
         let per_launch = |t: f64| t * 1e6 / n as f64;
-        let (mut rows, mut issue, mut wall, mut build) = (Vec::new(), vec![], vec![], vec![]);
+        let (mut rows, mut issued, mut wall, mut build) = (Vec::new(), vec![], vec![], vec![]);
         for _ in 0..cli.reps {
             let t = Instant::now();
-            cubecl_issue(&cubecl_chain);
-            issue.push(t.elapsed().as_secs_f64());
+            issue(&client, &cubecl_chain, n);
+            issued.push(t.elapsed().as_secs_f64());
             sync(&client);
             wall.push(t.elapsed().as_secs_f64());
         }
         rows.push(Row {
             way: "CubeCL launch",
             launches: n,
-            issue_us_per_launch: per_launch(median(std::mem::take(&mut issue))),
+            issue_us_per_launch: per_launch(median(std::mem::take(&mut issued))),
+            args_us_per_launch: None,
+            wall_us_per_chain: median(std::mem::take(&mut wall)) * 1e6,
+        });
+        for _ in 0..cli.reps {
+            let t = Instant::now();
+            issue(&routed, &routed_chain, n);
+            issued.push(t.elapsed().as_secs_f64());
+            sync(&routed);
+            wall.push(t.elapsed().as_secs_f64());
+        }
+        rows.push(Row {
+            way: "cuda-routed",
+            launches: n,
+            issue_us_per_launch: per_launch(median(std::mem::take(&mut issued))),
             args_us_per_launch: None,
             wall_us_per_chain: median(std::mem::take(&mut wall)) * 1e6,
         });
@@ -181,28 +208,28 @@ mod cost {
             build.push(t.elapsed().as_secs_f64());
             let t = Instant::now();
             kiln_issue(args);
-            issue.push(t.elapsed().as_secs_f64());
+            issued.push(t.elapsed().as_secs_f64());
             stream.synchronize()?;
             wall.push(t.elapsed().as_secs_f64());
         }
         rows.push(Row {
             way: "kiln launcher",
             launches: n,
-            issue_us_per_launch: per_launch(median(std::mem::take(&mut issue))),
+            issue_us_per_launch: per_launch(median(std::mem::take(&mut issued))),
             args_us_per_launch: Some(per_launch(median(build))),
             wall_us_per_chain: median(std::mem::take(&mut wall)) * 1e6,
         });
         for _ in 0..cli.reps {
             let t = Instant::now();
             graph.launch()?;
-            issue.push(t.elapsed().as_secs_f64());
+            issued.push(t.elapsed().as_secs_f64());
             stream.synchronize()?;
             wall.push(t.elapsed().as_secs_f64());
         }
         rows.push(Row {
             way: "graph replay",
             launches: n,
-            issue_us_per_launch: per_launch(median(issue)),
+            issue_us_per_launch: per_launch(median(issued)),
             args_us_per_launch: None,
             wall_us_per_chain: median(wall) * 1e6,
         });
