@@ -659,4 +659,3 @@ fn the_routed_runtime_computes_cubecls_bits() {
     let differ = theirs.iter().zip(&ours).filter(|(a, b)| a != b).count();
     assert_eq!(differ, 0, "{differ} of {} logits differ", theirs.len());
 }
-

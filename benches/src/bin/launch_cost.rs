@@ -6,14 +6,14 @@
 //!
 //! The work is a decode layer's worth of small kernels: a chain of `--launches` SwiGLU
 //! activations over one token's hidden width (7,168 floats), each reading the one before's
-//! output, so every launch waits for the previous one as a layer's do. The three ways are
+//! output, so every launch waits for the previous one as a layer's do. The four ways are
 //! validated first (the chain's last output is the same bits each way), then timed:
 //! `--reps` chains each, medians reported: host time to issue the chain (per launch), and
 //! wall time until the device has finished it. kiln's arguments (device addresses looked
 //! up through CubeCL) are built before the timed issue, as a step's would be kept; what
 //! building them costs is its own column. CUDA only.
 
-kiln_benches::cuda_main!(cost::run, "launches CUDA kernels three ways");
+kiln_benches::cuda_main!(cost::run, "launches CUDA kernels four ways");
 
 #[cfg(feature = "cuda")]
 mod cost {
