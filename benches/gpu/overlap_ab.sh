@@ -14,6 +14,7 @@
 # compiled during the measured pass.
 # Results under $OUT/overlap-L<layers>-<kv>/ (bench-<on|off>-c<C>.json, metrics-<on|off>-c<C>.txt);
 # benches/gpu/overlap_report.py summarises.
+# BACKEND=cuda-routed (environment) runs kiln on the routed runtime instead of cuda.
 set -euo pipefail
 layers=$1 kv=$2 sweep=$3 duration=$4 scale=$5
 out="${OUT:-gpu-results}/overlap-L$layers-$kv"
@@ -21,7 +22,7 @@ mkdir -p "$out"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt" || true
-base=(serve --backend cuda --port 8765 --synthetic kimi-k2.6 --layers "$layers" --kv-cache-dtype "$kv")
+base=(serve --backend "${BACKEND:-cuda}" --port 8765 --synthetic kimi-k2.6 --layers "$layers" --kv-cache-dtype "$kv")
 for mode in on off; do
   args=("${base[@]}")
   if [ "$mode" = off ]; then args+=(--disable-overlap-schedule); fi

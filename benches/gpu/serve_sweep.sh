@@ -11,6 +11,7 @@
 #   e.g. benches/gpu/serve_sweep.sh 4 1 bf16 "1 4 16" 40 0.1
 #
 # Results under $OUT/serve-L<layers>-tp<T>-<kv>/; benches/gpu/serve_report.py summarises.
+# BACKEND=cuda-routed (environment) runs kiln on the routed runtime instead of cuda.
 set -euo pipefail
 layers=$1 tp=$2 kv=$3 sweep=$4 duration=$5 scale=$6
 out="${OUT:-gpu-results}/serve-L$layers-tp$tp-$kv"
@@ -19,7 +20,7 @@ export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
 # The card this call landed on and its copy rate: the floors' denominator.
 python3 benches/gpu/copy_rate.py > "$out/copy.json" || true
-args=(serve --backend cuda --port 8765 --synthetic kimi-k2.6 --layers "$layers" --kv-cache-dtype "$kv")
+args=(serve --backend "${BACKEND:-cuda}" --port 8765 --synthetic kimi-k2.6 --layers "$layers" --kv-cache-dtype "$kv")
 if [ "$tp" != 1 ]; then args+=(--tp-rank-of "$tp"); fi
 start=$(date +%s)
 .gpu/kiln "${args[@]}" > "$out/serve.out" 2> "$out/serve.log" &
@@ -37,7 +38,7 @@ done
 kill $pid; wait $pid 2>/dev/null || true
 trap - EXIT
 batches=$(echo $sweep | tr ' ' ',')
-ld=(--backend cuda --kv "$kv" --served-layers "$layers" --batches "$batches" --prefill 0 --reps 5
+ld=(--backend "${BACKEND:-cuda}" --kv "$kv" --served-layers "$layers" --batches "$batches" --prefill 0 --reps 5
   --contexts "$(python3 -c "print(int(100000*$scale))")" --json "$out/layer_decode.json")
 if [ "$tp" != 1 ]; then ld+=(--tp-rank-of "$tp"); fi
 .gpu/layer_decode "${ld[@]}" 2>&1 | tee "$out/layer_decode.log" || true

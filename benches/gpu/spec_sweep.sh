@@ -15,6 +15,7 @@
 # and per concurrency bench-<name>-c<C>.json with the server's metrics-<name>-c<C>.txt after
 # it: counters are cumulative, so a phase's are the difference from the one before);
 # benches/gpu/spec_report.py summarises.
+# BACKEND=cuda-routed (environment) runs kiln on the routed runtime instead of cuda.
 set -euo pipefail
 layers=$1 kv=$2 draft=$3 accepts=$4 sweep=$5 duration=$6 scale=$7 policy=${8:-measured}
 out="${OUT:-gpu-results}/spec-L$layers-$kv-d$draft-$policy"
@@ -22,7 +23,7 @@ mkdir -p "$out"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt" || true
-base=(serve --backend cuda --port 8765 --synthetic kimi-k2.6 --layers "$layers" --kv-cache-dtype "$kv")
+base=(serve --backend "${BACKEND:-cuda}" --port 8765 --synthetic kimi-k2.6 --layers "$layers" --kv-cache-dtype "$kv")
 for a in off $accepts; do
   args=("${base[@]}")
   if [ "$a" != off ]; then

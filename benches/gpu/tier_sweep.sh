@@ -14,6 +14,7 @@
 #
 # Results under $OUT/tier-L<layers>-<kv>-p<pages>/ (bench-<off|on>-c<C>.json,
 # metrics-<off|on>-c<C>.txt, copy.json); benches/gpu/tier_report.py summarises and plots.
+# BACKEND=cuda-routed (environment) runs kiln on the routed runtime instead of cuda.
 set -euo pipefail
 layers=$1 kv=$2 pages=$3 host_gib=$4 sweep=$5 duration=$6 scale=$7
 out="${OUT:-gpu-results}/tier-L$layers-$kv-p$pages"
@@ -21,7 +22,7 @@ mkdir -p "$out"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt" || true
-base=(serve --backend cuda --port 8765 --synthetic kimi-k2.6 --layers "$layers" --kv-cache-dtype "$kv"
+base=(serve --backend "${BACKEND:-cuda}" --port 8765 --synthetic kimi-k2.6 --layers "$layers" --kv-cache-dtype "$kv"
   --kv-pages "$pages")
 largest=$(echo $sweep | tr ' ' '\n' | sort -n | tail -1)
 bench=(bench --url http://127.0.0.1:8765 --duration "$duration" --scale "$scale" --think-scale 0
