@@ -128,9 +128,8 @@ fn server_error(what: &str, err: impl std::fmt::Display) -> ServerError {
 static STREAM: OnceLock<Arc<CudaStream>> = OnceLock::new();
 
 /// Records the kernels `record` launches through `client` (device 0's [`KilnCuda`]) into a
-/// CUDA graph on kiln's stream, without running them; [`CudaGraph::launch`] replays them
-/// there, after whatever the client issued before the call. `record` may only launch
-/// kernels (module docs).
+/// CUDA graph on kiln's stream, without running them ([`replay`] runs them). `record` may
+/// only launch kernels (module docs).
 pub fn capture(
     client: &ComputeClient<KilnCuda>,
     record: impl FnOnce() -> Result<(), kiln_kernels::KernelError>,
@@ -153,6 +152,14 @@ pub fn capture(
     recorded?;
     issued?;
     graph?.ok_or_else(|| LaunchError::Unsupported("a capture of no work".into()))
+}
+
+/// Runs `graph` on kiln's stream after everything `client` issued before the call (the
+/// client's server thread may not have launched it yet: it is flushed first), and before
+/// what it issues after.
+pub fn replay(client: &ComputeClient<KilnCuda>, graph: &CudaGraph) -> Result<(), LaunchError> {
+    (client.flush()).map_err(|e| LaunchError::Unsupported(format!("before a replay: {e}")))?;
+    Ok(graph.launch()?)
 }
 
 impl DeviceService for Routed {

@@ -8,7 +8,7 @@
 //! launches writes what CubeCL's launches write, for inputs changed in place between
 //! replays. CUDA only.
 use kiln_backends::launcher::{Args, Kernel, Launcher};
-use kiln_backends::routed::capture;
+use kiln_backends::routed::{capture, replay};
 use kiln_backends::{Backend, Cuda, CudaRouted};
 use kiln_kernels::activation::{silu_mul, silu_mul_source};
 use kiln_kernels::fill::{fill_random_records, fill_source, Field};
@@ -163,7 +163,7 @@ fn kernel_functions_issued_through_the_routed_runtime_are_captured_and_replayed(
         out.read(&client).iter().all(|v| v.is_nan()),
         "a capture runs nothing"
     );
-    graph.launch().unwrap();
+    replay(&client, &graph).unwrap();
     assert_eq!(
         bits(out.read(&client)),
         expect(&first, &up),
@@ -172,8 +172,8 @@ fn kernel_functions_issued_through_the_routed_runtime_are_captured_and_replayed(
     // x = silu(other) * 1 in place, the output poisoned, then the graph again.
     silu_mul(&client, &other, &ones, &x).unwrap();
     silu_mul(&client, &poison, &ones, &out).unwrap();
+    replay(&client, &graph).unwrap();
     let moved = bits(x.read(&client));
-    graph.launch().unwrap();
     let moved: Vec<f32> = moved.into_iter().map(f32::from_bits).collect();
     assert_eq!(
         bits(out.read(&client)),
