@@ -1,100 +1,28 @@
-//! A CubeCL runtime whose kernels run on kiln's own CUDA stream (issue 29): [`KilnCuda`].
-//!
-//! CubeCL 0.10 launches on streams of its own that nothing outside it reaches, so its
-//! launches can neither be captured into a CUDA graph nor ordered against kiln's work. Its
-//! server trait is public, though, and so is the CUDA server behind it
-//! (`<CudaRuntime as Runtime>::Server`, built by `DeviceService::init`). [`KilnCuda`] is
-//! CubeCL's CUDA runtime with that server wrapped ([`Routed`]): every kernel any of kiln's
-//! code launches through a `ComputeClient<KilnCuda>` is compiled as CubeCL's runtime compiles
-//! it (CubeCL's CUDA compiler and options, NVRTC with its flags: [`Launcher::load`]) and
-//! launched on the [`Launcher`]'s stream with the addresses and info CubeCL would pass. No
-//! kernel needs a launcher-specific twin.
-//!
-//! Copies go the same way, so CubeCL's own stream carries nothing kiln's must wait for:
-//! writes are `cuMemcpyHtoDAsync` on kiln's stream to the buffer's address, reads copy into
-//! pinned staging on kiln's stream and complete when its event does. CubeCL still manages
-//! memory: its pools grow (and shrink) in its stream's order, so a change is waited for
-//! (its stream synchronised) before kiln's stream may touch the new memory. What the wrapper
-//! does not route (a dynamic cube count, tensor maps, info too long to pass by value: kiln
-//! uses none of them) runs on CubeCL's stream between synchronisations of both.
-//!
-//! A sync waits for both streams. Errors of routed work are reported by the next sync or
-//! read, as CubeCL reports its own.
-//!
-//! Since every launch lands on kiln's stream, [`capture`] records what any code issues
-//! through a client into a CUDA graph: kiln's kernel functions, unchanged. The recorded
-//! work may launch kernels only (no copies, reads or syncs: those are not capturable), and
-//! the buffers it uses must outlive the graph and stay where they are.
+//! [`Routed`]: CubeCL's CUDA server wrapped, its launches and copies on kiln's stream.
 use std::collections::HashMap;
-use std::ffi::c_void;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use cubecl::backtrace::BackTrace;
 use cubecl::bytes::Bytes;
-use cubecl::client::ComputeClient;
-use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::device::{DeviceId, DeviceService, ServerUtilitiesHandle};
 use cubecl::future::DynFut;
-use cubecl::ir::TargetProperties;
 use cubecl::prelude::*;
 use cubecl::server::{
     Binding, ComputeServer, CopyDescriptor, KernelArguments, ProfilingToken, ServerCommunication,
     ServerError, ServerUtilities,
 };
 use cubecl::stream_id::StreamId;
-use cubecl::zspace::{Shape, Strides};
 use cubecl::CubeTask;
 use cubecl_runtime::allocator::PitchedMemoryLayoutPolicy;
 use cubecl_runtime::id::KernelId;
 use cubecl_runtime::memory_management::{ManagedMemoryHandle, MemoryAllocationMode, MemoryUsage};
-use cubecl_runtime::storage::{ComputeStorage, ManagedResource};
-use cudarc::driver::{result, sys, CudaGraph, CudaStream};
+use cubecl_runtime::storage::ManagedResource;
+use cudarc::driver::{result, CudaStream};
 use kiln_kernels::cuda_source::{compilation_options, CudaSource};
 
-use crate::launcher::{Kernel, LaunchError, Launcher};
-
-type Inner = <CudaRuntime as Runtime>::Server;
-type Compiler = <CudaRuntime as Runtime>::Compiler;
-type Resource = <<Inner as ComputeServer>::Storage as ComputeStorage>::Resource;
-
-/// CubeCL's CUDA runtime, its launches and copies on kiln's stream ([`Routed`]).
-#[derive(Clone, Debug)]
-pub struct KilnCuda;
-
-impl Runtime for KilnCuda {
-    type Compiler = Compiler;
-    type Server = Routed;
-    type Device = CudaDevice;
-
-    fn client(device: &CudaDevice) -> ComputeClient<Self> {
-        ComputeClient::load(device)
-    }
-
-    /// "cuda", as CubeCL's: the same compiler and device (kernels choose paths by it).
-    fn name(_: &ComputeClient<Self>) -> &'static str {
-        "cuda"
-    }
-
-    fn require_array_lengths() -> bool {
-        CudaRuntime::require_array_lengths()
-    }
-
-    fn max_cube_count() -> (u32, u32, u32) {
-        CudaRuntime::max_cube_count()
-    }
-
-    fn can_read_tensor(shape: &Shape, strides: &Strides) -> bool {
-        CudaRuntime::can_read_tensor(shape, strides)
-    }
-
-    fn target_properties() -> TargetProperties {
-        CudaRuntime::target_properties()
-    }
-
-    fn enumerate_devices(type_id: u16, info: &()) -> Vec<DeviceId> {
-        CudaRuntime::enumerate_devices(type_id, info)
-    }
-}
+use super::copies::{contiguous_bytes, Pinned};
+use super::{Compiler, Inner, Resource, STREAM};
+use crate::launcher::{Kernel, Launcher};
 
 /// CubeCL's CUDA server with its launches and copies moved to kiln's stream.
 pub struct Routed {
@@ -117,51 +45,12 @@ impl std::fmt::Debug for Routed {
     }
 }
 
-fn server_error(what: &str, err: impl std::fmt::Display) -> ServerError {
+pub(super) fn server_error(what: &str, err: impl std::fmt::Display) -> ServerError {
     ServerError::Generic {
         reason: format!("{what}: {err}"),
         backtrace: BackTrace::capture(),
     }
 }
-
-/// The stream of device 0's routed server, once it exists (for [`capture`]).
-static STREAM: OnceLock<Arc<CudaStream>> = OnceLock::new();
-
-/// Records the kernels `record` launches through `client` (device 0's [`KilnCuda`]) into a
-/// CUDA graph on kiln's stream, without running them ([`replay`] runs them). `record` may
-/// only launch kernels (module docs).
-pub fn capture(
-    client: &ComputeClient<KilnCuda>,
-    record: impl FnOnce() -> Result<(), kiln_kernels::KernelError>,
-) -> Result<CudaGraph, LaunchError> {
-    let flushed = |what: &str| {
-        client
-            .flush()
-            .map_err(|e| LaunchError::Unsupported(format!("{what}: {e}")))
-    };
-    // The server exists once the client does; everything issued so far is on the stream.
-    flushed("before the capture")?;
-    let stream = STREAM
-        .get()
-        .ok_or_else(|| LaunchError::Unsupported("no routed CUDA server".into()))?;
-    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-    let recorded = record().map_err(|e| LaunchError::Unsupported(e.to_string()));
-    // The server thread has launched all of it (into the capture) once this returns.
-    let issued = flushed("the captured work");
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-    recorded?;
-    issued?;
-    graph?.ok_or_else(|| LaunchError::Unsupported("a capture of no work".into()))
-}
-
-/// Runs `graph` on kiln's stream after everything `client` issued before the call (the
-/// client's server thread may not have launched it yet: it is flushed first), and before
-/// what it issues after.
-pub fn replay(client: &ComputeClient<KilnCuda>, graph: &CudaGraph) -> Result<(), LaunchError> {
-    (client.flush()).map_err(|e| LaunchError::Unsupported(format!("before a replay: {e}")))?;
-    Ok(graph.launch()?)
-}
-
 impl DeviceService for Routed {
     fn init(device_id: DeviceId) -> Self {
         let inner = <Inner as DeviceService>::init(device_id);
@@ -310,46 +199,6 @@ impl Routed {
                 backtrace: BackTrace::capture(),
             }),
         }
-    }
-}
-
-/// Bytes of a contiguous copy of `d`, or `None` where it is strided.
-fn contiguous_bytes(d: &CopyDescriptor) -> Option<usize> {
-    let mut expected = 1;
-    for (&dim, &stride) in d.shape.iter().zip(d.strides.iter()).rev() {
-        if dim > 1 && stride != expected {
-            return None;
-        }
-        expected *= dim;
-    }
-    Some(expected * d.elem_size)
-}
-
-/// Page-locked host memory, for reads copied asynchronously.
-struct Pinned {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the allocation is owned; it is read and written only by whoever holds it.
-unsafe impl Send for Pinned {}
-
-impl Pinned {
-    fn new(len: usize) -> Result<Self, ServerError> {
-        // SAFETY: a fresh host allocation of `len` bytes (flags 0: cached, not write-combined).
-        let ptr = unsafe { result::malloc_host(len.max(1), 0) }
-            .map_err(|e| server_error("pinned host memory", e))?;
-        Ok(Pinned {
-            ptr: ptr as *mut u8,
-            len: len.max(1),
-        })
-    }
-}
-
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        // SAFETY: allocated by `malloc_host`, freed once.
-        let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
     }
 }
 

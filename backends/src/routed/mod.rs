@@ -1,0 +1,126 @@
+//! A CubeCL runtime whose kernels run on kiln's own CUDA stream (issue 29): [`KilnCuda`].
+//!
+//! CubeCL 0.10 launches on streams of its own that nothing outside it reaches, so its
+//! launches can neither be captured into a CUDA graph nor ordered against kiln's work. Its
+//! server trait is public, though, and so is the CUDA server behind it
+//! (`<CudaRuntime as Runtime>::Server`, built by `DeviceService::init`). [`KilnCuda`] is
+//! CubeCL's CUDA runtime with that server wrapped ([`Routed`]): every kernel any of kiln's
+//! code launches through a `ComputeClient<KilnCuda>` is compiled as CubeCL's runtime compiles
+//! it (CubeCL's CUDA compiler and options, NVRTC with its flags: [`Launcher::load`]) and
+//! launched on the [`Launcher`]'s stream with the addresses and info CubeCL would pass. No
+//! kernel needs a launcher-specific twin.
+//!
+//! Copies go the same way, so CubeCL's own stream carries nothing kiln's must wait for:
+//! writes are `cuMemcpyHtoDAsync` on kiln's stream to the buffer's address, reads copy into
+//! pinned staging on kiln's stream and complete when its event does. CubeCL still manages
+//! memory: its pools grow (and shrink) in its stream's order, so a change is waited for
+//! (its stream synchronised) before kiln's stream may touch the new memory. What the wrapper
+//! does not route (a dynamic cube count, tensor maps, info too long to pass by value: kiln
+//! uses none of them) runs on CubeCL's stream between synchronisations of both.
+//!
+//! A sync waits for both streams. Errors of routed work are reported by the next sync or
+//! read, as CubeCL reports its own.
+//!
+//! Since every launch lands on kiln's stream, [`capture`] records what any code issues
+//! through a client into a CUDA graph: kiln's kernel functions, unchanged. The recorded
+//! work may launch kernels only (no copies, reads or syncs: those are not capturable), and
+//! the buffers it uses must outlive the graph and stay where they are.
+use std::sync::{Arc, OnceLock};
+
+use cubecl::client::ComputeClient;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::device::DeviceId;
+use cubecl::ir::TargetProperties;
+use cubecl::prelude::*;
+use cubecl::server::ComputeServer;
+use cubecl::zspace::{Shape, Strides};
+use cubecl_runtime::storage::ComputeStorage;
+use cudarc::driver::{sys, CudaGraph, CudaStream};
+
+use crate::launcher::LaunchError;
+
+mod copies;
+mod server;
+
+pub use server::Routed;
+
+type Inner = <CudaRuntime as Runtime>::Server;
+type Compiler = <CudaRuntime as Runtime>::Compiler;
+type Resource = <<Inner as ComputeServer>::Storage as ComputeStorage>::Resource;
+
+/// CubeCL's CUDA runtime, its launches and copies on kiln's stream ([`Routed`]).
+#[derive(Clone, Debug)]
+pub struct KilnCuda;
+
+impl Runtime for KilnCuda {
+    type Compiler = Compiler;
+    type Server = Routed;
+    type Device = CudaDevice;
+
+    fn client(device: &CudaDevice) -> ComputeClient<Self> {
+        ComputeClient::load(device)
+    }
+
+    /// "cuda", as CubeCL's: the same compiler and device (kernels choose paths by it).
+    fn name(_: &ComputeClient<Self>) -> &'static str {
+        "cuda"
+    }
+
+    fn require_array_lengths() -> bool {
+        CudaRuntime::require_array_lengths()
+    }
+
+    fn max_cube_count() -> (u32, u32, u32) {
+        CudaRuntime::max_cube_count()
+    }
+
+    fn can_read_tensor(shape: &Shape, strides: &Strides) -> bool {
+        CudaRuntime::can_read_tensor(shape, strides)
+    }
+
+    fn target_properties() -> TargetProperties {
+        CudaRuntime::target_properties()
+    }
+
+    fn enumerate_devices(type_id: u16, info: &()) -> Vec<DeviceId> {
+        CudaRuntime::enumerate_devices(type_id, info)
+    }
+}
+
+/// The stream of device 0's routed server, once it exists (for [`capture`]).
+static STREAM: OnceLock<Arc<CudaStream>> = OnceLock::new();
+
+/// Records the kernels `record` launches through `client` (device 0's [`KilnCuda`]) into a
+/// CUDA graph on kiln's stream, without running them ([`replay`] runs them). `record` may
+/// only launch kernels (module docs).
+pub fn capture(
+    client: &ComputeClient<KilnCuda>,
+    record: impl FnOnce() -> Result<(), kiln_kernels::KernelError>,
+) -> Result<CudaGraph, LaunchError> {
+    let flushed = |what: &str| {
+        client
+            .flush()
+            .map_err(|e| LaunchError::Unsupported(format!("{what}: {e}")))
+    };
+    // The server exists once the client does; everything issued so far is on the stream.
+    flushed("before the capture")?;
+    let stream = STREAM
+        .get()
+        .ok_or_else(|| LaunchError::Unsupported("no routed CUDA server".into()))?;
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+    let recorded = record().map_err(|e| LaunchError::Unsupported(e.to_string()));
+    // The server thread has launched all of it (into the capture) once this returns.
+    let issued = flushed("the captured work");
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    recorded?;
+    issued?;
+    graph?.ok_or_else(|| LaunchError::Unsupported("a capture of no work".into()))
+}
+
+/// Runs `graph` on kiln's stream after everything `client` issued before the call (the
+/// client's server thread may not have launched it yet: it is flushed first), and before
+/// what it issues after.
+pub fn replay(client: &ComputeClient<KilnCuda>, graph: &CudaGraph) -> Result<(), LaunchError> {
+    (client.flush()).map_err(|e| LaunchError::Unsupported(format!("before a replay: {e}")))?;
+    Ok(graph.launch()?)
+}
