@@ -37,6 +37,8 @@ use cubecl::zspace::{Shape, Strides};
 use cubecl_runtime::storage::ComputeStorage;
 use cudarc::driver::{sys, CudaGraph, CudaStream};
 
+use kiln_kernels::DeviceArray;
+
 use crate::launcher::LaunchError;
 
 mod copies;
@@ -102,11 +104,7 @@ pub fn capture(
             .flush()
             .map_err(|e| LaunchError::Unsupported(format!("{what}: {e}")))
     };
-    // The server exists once the client does; everything issued so far is on the stream.
-    flushed("before the capture")?;
-    let stream = STREAM
-        .get()
-        .ok_or_else(|| LaunchError::Unsupported("no routed CUDA server".into()))?;
+    let stream = stream_after(client)?;
     stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
     let recorded = record().map_err(|e| LaunchError::Unsupported(e.to_string()));
     // The server thread has launched all of it (into the capture) once this returns.
@@ -117,10 +115,45 @@ pub fn capture(
     graph?.ok_or_else(|| LaunchError::Unsupported("a capture of no work".into()))
 }
 
-/// Runs `graph` on kiln's stream after everything `client` issued before the call (the
-/// client's server thread may not have launched it yet: it is flushed first), and before
-/// what it issues after.
+/// Kiln's stream, once everything `client` issued before the call is on it (the client's
+/// server thread launches asynchronously: it is flushed first).
+fn stream_after(client: &ComputeClient<KilnCuda>) -> Result<&'static Arc<CudaStream>, LaunchError> {
+    (client.flush()).map_err(|e| LaunchError::Unsupported(format!("flushing the client: {e}")))?;
+    STREAM
+        .get()
+        .ok_or_else(|| LaunchError::Unsupported("no routed CUDA server".into()))
+}
+
+/// Runs `graph` on kiln's stream after everything `client` issued before the call, and
+/// before what it issues after.
 pub fn replay(client: &ComputeClient<KilnCuda>, graph: &CudaGraph) -> Result<(), LaunchError> {
-    (client.flush()).map_err(|e| LaunchError::Unsupported(format!("before a replay: {e}")))?;
+    stream_after(client)?;
     Ok(graph.launch()?)
+}
+
+/// Writes `data` over the start of `array` in place, in order on kiln's stream (after what
+/// `client` issued before, before what it issues after): how a graph's inputs change between
+/// replays, since a capture holds no copies. The host data is staged by the driver before
+/// this returns.
+pub fn write<T: CubePrimitive + CubeElement>(
+    client: &ComputeClient<KilnCuda>,
+    array: &DeviceArray<T>,
+    data: &[T],
+) -> Result<(), LaunchError> {
+    if data.len() > array.len() {
+        return Err(LaunchError::Unsupported(format!(
+            "{} values written into an array of {}",
+            data.len(),
+            array.len()
+        )));
+    }
+    let address = (client.get_resource(array.handle().clone()))
+        .map_err(|e| LaunchError::Unsupported(format!("the array's address: {e}")))?
+        .resource()
+        .ptr;
+    let stream = stream_after(client)?;
+    // SAFETY: `address` starts a live buffer of at least `data.len()` elements; the source
+    // is pageable, so the driver copies it out before returning.
+    unsafe { cudarc::driver::result::memcpy_htod_async(address, data, stream.cu_stream()) }?;
+    Ok(())
 }
