@@ -25,6 +25,10 @@
 //! through a client into a CUDA graph: kiln's kernel functions, unchanged. The recorded
 //! work may launch kernels only (no copies, reads or syncs: those are not capturable), and
 //! the buffers it uses must outlive the graph and stay where they are.
+//!
+//! Not yet run on a GPU (2026-12-07): the checks are the `cuda_routed::` conformance tests,
+//! `hf_conformance::the_routed_runtime_computes_cubecls_bits` and the capture test in
+//! `tests/tests/conformance/launcher.rs`.
 use std::sync::{Arc, OnceLock};
 
 use cubecl::client::ComputeClient;
