@@ -102,7 +102,8 @@ impl Routed {
     }
 
     /// Waits for CubeCL's stream if its pools changed since last looked at: new memory is
-    /// allocated, and released memory freed, in its stream's order.
+    /// allocated, and released memory freed, in its stream's order. Called once the
+    /// operation's buffers are resolved (a resolution may allocate) and before it is issued.
     fn settle_allocations(&mut self, stream_id: StreamId) -> Result<(), ServerError> {
         let reserved = self.inner.memory_usage(stream_id)?.bytes_reserved;
         if reserved != self.reserved {
@@ -159,10 +160,10 @@ impl Routed {
         mode: ExecutionMode,
         stream_id: StreamId,
     ) -> Result<(), ServerError> {
-        self.settle_allocations(stream_id)?;
         let mut addresses = (bindings.buffers.into_iter())
             .map(|b| self.address(b, stream_id))
             .collect::<Result<Vec<_>, _>>()?;
+        self.settle_allocations(stream_id)?;
         let mut id = task.id();
         id.mode(mode);
         let stream = self.launcher.stream().clone();
@@ -237,11 +238,14 @@ impl ComputeServer for Routed {
             };
         }
         let staged = (|| {
-            self.settle_allocations(stream_id)?;
-            let mut staged = Vec::with_capacity(descriptors.len());
+            let mut sources = Vec::with_capacity(descriptors.len());
             for d in descriptors {
                 let len = contiguous_bytes(&d).expect("checked above");
-                let src = self.address(d.handle, stream_id)?;
+                sources.push((self.address(d.handle, stream_id)?, len));
+            }
+            self.settle_allocations(stream_id)?;
+            let mut staged = Vec::with_capacity(sources.len());
+            for (src, len) in sources {
                 let pinned = {
                     let mut pool = self.staging.lock().expect("staging pool");
                     match pool.iter().position(|p| p.len >= len) {
@@ -286,12 +290,15 @@ impl ComputeServer for Routed {
             return self.record(done);
         }
         let result = (|| {
-            self.settle_allocations(stream_id)?;
+            let mut targets = Vec::with_capacity(descriptors.len());
             for (d, bytes) in descriptors {
                 let len = contiguous_bytes(&d)
                     .expect("checked above")
                     .min(bytes.len());
-                let dst = self.address(d.handle, stream_id)?;
+                targets.push((self.address(d.handle, stream_id)?, bytes, len));
+            }
+            self.settle_allocations(stream_id)?;
+            for (dst, bytes, len) in targets {
                 // SAFETY: `dst` is the live buffer written, at least `len` bytes. The source
                 // is pageable: the driver stages it before returning, so it may be dropped.
                 unsafe { result::memcpy_htod_async(dst, &bytes[..len], self.stream().cu_stream()) }
