@@ -33,6 +33,7 @@ bench() {
   .gpu/sample "$out/sample.json" 2>&1 | tee "$out/sample.log"
   python3 benches/gpu/sample_peer.py "$out/sample_peer.json" "$out/sample.json" 2>&1 | tee "$out/sample_peer.log"
   .gpu/layer_decode --backend cuda --json "$out/layer_decode.json" 2>&1 | tee "$out/layer_decode.log"
+  .gpu/launch_cost --json "$out/launch_cost.json" 2>&1 | tee "$out/launch_cost.log"
 }
 case "${1:-}" in
   build)
