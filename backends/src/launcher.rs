@@ -84,17 +84,12 @@ impl Launcher {
     }
 
     /// Captures what `record` launches on kiln's stream into a CUDA graph, to replay with
-    /// [`CudaGraph::launch`] (relaxed mode: CubeCL's threads may call CUDA meanwhile).
+    /// [`CudaGraph::launch`] ([`capture_on`]).
     pub fn capture(
         &self,
         record: impl FnOnce(&CudaStream) -> Result<(), LaunchError>,
     ) -> Result<CudaGraph, LaunchError> {
-        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-        self.stream.begin_capture(mode)?;
-        let recorded = record(&self.stream);
-        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        recorded?;
-        graph?.ok_or_else(|| LaunchError::Unsupported("a capture of no work".into()))
+        capture_on(&self.stream, record)
     }
 
     /// Compiles `source` for this device as CubeCL's runtime would (NVRTC, the arch-specific
@@ -131,6 +126,19 @@ impl Launcher {
             shared_bytes: source.shared_bytes as u32,
         })
     }
+}
+
+/// Captures what `record` launches on `stream` into a CUDA graph (relaxed mode: CubeCL's
+/// threads may call CUDA meanwhile); the capture ends even where `record` fails.
+pub fn capture_on(
+    stream: &Arc<CudaStream>,
+    record: impl FnOnce(&CudaStream) -> Result<(), LaunchError>,
+) -> Result<CudaGraph, LaunchError> {
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+    let recorded = record(stream);
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    recorded?;
+    graph?.ok_or_else(|| LaunchError::Unsupported("a capture of no work".into()))
 }
 
 /// A launch's arguments, in the kernel's parameter order.

@@ -39,11 +39,11 @@ use cubecl::prelude::*;
 use cubecl::server::ComputeServer;
 use cubecl::zspace::{Shape, Strides};
 use cubecl_runtime::storage::ComputeStorage;
-use cudarc::driver::{sys, CudaGraph, CudaStream};
+use cudarc::driver::{CudaGraph, CudaStream};
 
 use kiln_kernels::DeviceArray;
 
-use crate::launcher::LaunchError;
+use crate::launcher::{capture_on, LaunchError};
 
 mod copies;
 mod server;
@@ -103,20 +103,12 @@ pub fn capture(
     client: &ComputeClient<KilnCuda>,
     record: impl FnOnce() -> Result<(), kiln_kernels::KernelError>,
 ) -> Result<CudaGraph, LaunchError> {
-    let flushed = |what: &str| {
-        client
-            .flush()
-            .map_err(|e| LaunchError::Unsupported(format!("{what}: {e}")))
-    };
     let stream = stream_after(client)?;
-    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-    let recorded = record().map_err(|e| LaunchError::Unsupported(e.to_string()));
-    // The server thread has launched all of it (into the capture) once this returns.
-    let issued = flushed("the captured work");
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-    recorded?;
-    issued?;
-    graph?.ok_or_else(|| LaunchError::Unsupported("a capture of no work".into()))
+    capture_on(stream, |_| {
+        record().map_err(|e| LaunchError::Unsupported(e.to_string()))?;
+        // The server thread has launched all of it (into the capture) once this returns.
+        (client.flush()).map_err(|e| LaunchError::Unsupported(format!("the captured work: {e}")))
+    })
 }
 
 /// Kiln's stream, once everything `client` issued before the call is on it (the client's

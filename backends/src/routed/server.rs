@@ -17,7 +17,7 @@ use cubecl_runtime::allocator::PitchedMemoryLayoutPolicy;
 use cubecl_runtime::id::KernelId;
 use cubecl_runtime::memory_management::{ManagedMemoryHandle, MemoryAllocationMode, MemoryUsage};
 use cubecl_runtime::storage::ManagedResource;
-use cudarc::driver::{result, CudaStream};
+use cudarc::driver::{result, CudaEvent, CudaStream};
 use kiln_kernels::cuda_source::{compilation_options, CudaSource};
 
 use super::copies::{contiguous_bytes, Pinned};
@@ -96,14 +96,23 @@ impl Routed {
         self.launcher.stream()
     }
 
-    /// The device address `binding` starts at.
-    fn address(&mut self, binding: Binding, stream_id: StreamId) -> Result<u64, ServerError> {
-        Ok(self.inner.get_resource(binding, stream_id)?.resource().ptr)
+    /// The device addresses the bindings start at, once CubeCL's stream has settled any
+    /// allocation their resolution made ([`Self::settle_allocations`]).
+    fn addresses(
+        &mut self,
+        bindings: impl IntoIterator<Item = Binding>,
+        stream_id: StreamId,
+    ) -> Result<Vec<u64>, ServerError> {
+        let addresses = (bindings.into_iter())
+            .map(|b| Ok(self.inner.get_resource(b, stream_id)?.resource().ptr))
+            .collect::<Result<Vec<_>, ServerError>>()?;
+        self.settle_allocations(stream_id)?;
+        Ok(addresses)
     }
 
     /// Waits for CubeCL's stream if its pools changed since last looked at: new memory is
-    /// allocated, and released memory freed, in its stream's order. Called once the
-    /// operation's buffers are resolved (a resolution may allocate) and before it is issued.
+    /// allocated, and released memory freed, in its stream's order. Called once an
+    /// operation's buffers are resolved (a resolution may allocate), before it is issued.
     fn settle_allocations(&mut self, stream_id: StreamId) -> Result<(), ServerError> {
         let reserved = self.inner.memory_usage(stream_id)?.bytes_reserved;
         if reserved != self.reserved {
@@ -121,14 +130,14 @@ impl Routed {
         cubecl::future::block_on(self.inner.sync(stream_id))
     }
 
-    /// The loaded kernel for `task`, compiled on first use as CubeCL's runtime compiles it.
-    fn kernel(
+    /// Loads `task`'s kernel under `id` on first use, compiled as CubeCL's runtime compiles it.
+    fn load(
         &mut self,
-        id: KernelId,
+        id: &KernelId,
         task: &dyn CubeTask<Compiler>,
         mode: ExecutionMode,
-    ) -> Result<&Kernel, ServerError> {
-        if !self.kernels.contains_key(&id) {
+    ) -> Result<(), ServerError> {
+        if !self.kernels.contains_key(id) {
             let options = compilation_options(self.arch);
             let compiled = task
                 .compile(
@@ -149,7 +158,7 @@ impl Routed {
                 (self.launcher.load(&source)).map_err(|e| server_error("kiln's launcher", e))?;
             self.kernels.insert(id.clone(), kernel);
         }
-        Ok(&self.kernels[&id])
+        Ok(())
     }
 
     fn launch_routed(
@@ -160,18 +169,16 @@ impl Routed {
         mode: ExecutionMode,
         stream_id: StreamId,
     ) -> Result<(), ServerError> {
-        let mut addresses = (bindings.buffers.into_iter())
-            .map(|b| self.address(b, stream_id))
-            .collect::<Result<Vec<_>, _>>()?;
-        self.settle_allocations(stream_id)?;
+        let mut addresses = self.addresses(bindings.buffers, stream_id)?;
         let mut id = task.id();
         id.mode(mode);
-        let stream = self.launcher.stream().clone();
-        let kernel = self.kernel(id, task.as_ref(), mode)?;
+        self.load(&id, task.as_ref(), mode)?;
         // SAFETY: the addresses are the live buffers CubeCL bound for this launch, in the
         // kernel's parameter order, and the info is the one CubeCL built for it.
-        unsafe { kernel.launch_raw(&stream, count, &mut addresses, &bindings.info.data) }
-            .map_err(|e| server_error("kiln's launcher", e))
+        unsafe {
+            self.kernels[&id].launch_raw(self.stream(), count, &mut addresses, &bindings.info.data)
+        }
+        .map_err(|e| server_error("kiln's launcher", e))
     }
 
     /// Runs `work` on CubeCL's own stream, ordered after kiln's and before it.
@@ -184,6 +191,60 @@ impl Routed {
         let out = work(&mut self.inner);
         cubecl::future::block_on(self.inner.sync(stream_id))?;
         Ok(out)
+    }
+
+    /// Enqueues contiguous reads into pinned staging on kiln's stream; the event marks them
+    /// done.
+    fn stage_reads(
+        &mut self,
+        descriptors: Vec<CopyDescriptor>,
+        stream_id: StreamId,
+    ) -> Result<(Vec<(Pinned, usize)>, CudaEvent), ServerError> {
+        let lens: Vec<usize> = (descriptors.iter())
+            .map(|d| contiguous_bytes(d).expect("contiguous reads only"))
+            .collect();
+        let sources = self.addresses(descriptors.into_iter().map(|d| d.handle), stream_id)?;
+        let mut staged = Vec::with_capacity(sources.len());
+        for (src, len) in sources.into_iter().zip(lens) {
+            let pinned = {
+                let mut pool = self.staging.lock().expect("staging pool");
+                match pool.iter().position(|p| p.len >= len) {
+                    Some(i) => pool.swap_remove(i),
+                    None => Pinned::new(len)?,
+                }
+            };
+            // SAFETY: `pinned` holds at least `len` bytes and stays out of the pool until
+            // this read completes; `src` is the live buffer being read.
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(pinned.ptr, len);
+                result::memcpy_dtoh_async(dst, src, self.stream().cu_stream())
+            }
+            .map_err(|e| server_error("read", e))?;
+            staged.push((pinned, len));
+        }
+        let done = (self.stream().record_event(None)).map_err(|e| server_error("read", e))?;
+        Ok((staged, done))
+    }
+
+    /// Contiguous writes on kiln's stream, from pageable host memory.
+    fn write_routed(
+        &mut self,
+        descriptors: Vec<(CopyDescriptor, Bytes)>,
+        stream_id: StreamId,
+    ) -> Result<(), ServerError> {
+        let (targets, data): (Vec<_>, Vec<_>) = descriptors.into_iter().unzip();
+        let lens: Vec<usize> = (targets.iter())
+            .map(|d| contiguous_bytes(d).expect("contiguous writes only"))
+            .collect();
+        let dsts = self.addresses(targets.into_iter().map(|d| d.handle), stream_id)?;
+        for ((dst, bytes), len) in dsts.into_iter().zip(data).zip(lens) {
+            let len = len.min(bytes.len());
+            // SAFETY: `dst` is the live buffer written, at least `len` bytes. The source is
+            // pageable: the driver stages it before returning, so it may be dropped.
+            unsafe { result::memcpy_htod_async(dst, &bytes[..len], self.stream().cu_stream()) }
+                .map_err(|e| server_error("write", e))?;
+        }
+        Ok(())
     }
 
     fn record(&mut self, result: Result<(), ServerError>) {
@@ -237,34 +298,7 @@ impl ComputeServer for Routed {
                 Err(e) => Box::pin(async { Err(e) }),
             };
         }
-        let staged = (|| {
-            let mut sources = Vec::with_capacity(descriptors.len());
-            for d in descriptors {
-                let len = contiguous_bytes(&d).expect("checked above");
-                sources.push((self.address(d.handle, stream_id)?, len));
-            }
-            self.settle_allocations(stream_id)?;
-            let mut staged = Vec::with_capacity(sources.len());
-            for (src, len) in sources {
-                let pinned = {
-                    let mut pool = self.staging.lock().expect("staging pool");
-                    match pool.iter().position(|p| p.len >= len) {
-                        Some(i) => pool.swap_remove(i),
-                        None => Pinned::new(len)?,
-                    }
-                };
-                // SAFETY: `pinned` holds at least `len` bytes and stays out of the pool until
-                // this read completes; `src` is the live buffer being read.
-                unsafe {
-                    let dst = std::slice::from_raw_parts_mut(pinned.ptr, len);
-                    result::memcpy_dtoh_async(dst, src, self.stream().cu_stream())
-                }
-                .map_err(|e| server_error("read", e))?;
-                staged.push((pinned, len));
-            }
-            let done = (self.stream().record_event(None)).map_err(|e| server_error("read", e))?;
-            Ok::<_, ServerError>((staged, done))
-        })();
+        let staged = self.stage_reads(descriptors, stream_id);
         let pool = self.staging.clone();
         Box::pin(async move {
             let (staged, done) = staged?;
@@ -289,23 +323,7 @@ impl ComputeServer for Routed {
                 self.on_cubecl_stream(stream_id, |inner| inner.write(descriptors, stream_id));
             return self.record(done);
         }
-        let result = (|| {
-            let mut targets = Vec::with_capacity(descriptors.len());
-            for (d, bytes) in descriptors {
-                let len = contiguous_bytes(&d)
-                    .expect("checked above")
-                    .min(bytes.len());
-                targets.push((self.address(d.handle, stream_id)?, bytes, len));
-            }
-            self.settle_allocations(stream_id)?;
-            for (dst, bytes, len) in targets {
-                // SAFETY: `dst` is the live buffer written, at least `len` bytes. The source
-                // is pageable: the driver stages it before returning, so it may be dropped.
-                unsafe { result::memcpy_htod_async(dst, &bytes[..len], self.stream().cu_stream()) }
-                    .map_err(|e| server_error("write", e))?;
-            }
-            Ok(())
-        })();
+        let result = self.write_routed(descriptors, stream_id);
         self.record(result)
     }
 
