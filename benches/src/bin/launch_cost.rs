@@ -100,6 +100,32 @@ mod cost {
         }
     }
 
+    /// One way's row from `reps` runs of `run`, which issues one chain of `launches` and
+    /// returns the seconds it spent building arguments (where it builds any), issuing, and
+    /// until the device finished; medians.
+    fn timed(
+        way: &'static str,
+        launches: usize,
+        reps: usize,
+        mut run: impl FnMut() -> anyhow::Result<(Option<f64>, f64, f64)>,
+    ) -> anyhow::Result<Row> {
+        let (mut built, mut issued, mut wall) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..reps {
+            let (b, i, w) = run()?;
+            built.extend(b);
+            issued.push(i);
+            wall.push(w);
+        }
+        let per_launch = |t: f64| t * 1e6 / launches as f64;
+        Ok(Row {
+            way,
+            launches,
+            issue_us_per_launch: per_launch(median(issued)),
+            args_us_per_launch: (!built.is_empty()).then(|| per_launch(median(built))),
+            wall_us_per_chain: median(wall) * 1e6,
+        })
+    }
+
     fn bits<R: Runtime>(client: &ComputeClient<R>, a: &DeviceArray<f32>) -> Vec<u32> {
         a.read(client).into_iter().map(f32::to_bits).collect()
     }
@@ -172,67 +198,38 @@ mod cost {
             "the replayed graph differs from CubeCL's launches"
         );
 
-        let per_launch = |t: f64| t * 1e6 / n as f64;
-        let (mut rows, mut issued, mut wall, mut build) = (Vec::new(), vec![], vec![], vec![]);
-        for _ in 0..cli.reps {
+        let mut rows = Vec::new();
+        rows.push(timed("CubeCL launch", n, cli.reps, || {
             let t = Instant::now();
             issue(&client, &cubecl_chain, n);
-            issued.push(t.elapsed().as_secs_f64());
+            let issued = t.elapsed().as_secs_f64();
             sync(&client);
-            wall.push(t.elapsed().as_secs_f64());
-        }
-        rows.push(Row {
-            way: "CubeCL launch",
-            launches: n,
-            issue_us_per_launch: per_launch(median(std::mem::take(&mut issued))),
-            args_us_per_launch: None,
-            wall_us_per_chain: median(std::mem::take(&mut wall)) * 1e6,
-        });
-        for _ in 0..cli.reps {
+            Ok((None, issued, t.elapsed().as_secs_f64()))
+        })?);
+        rows.push(timed("cuda-routed", n, cli.reps, || {
             let t = Instant::now();
             issue(&routed, &routed_chain, n);
-            issued.push(t.elapsed().as_secs_f64());
+            let issued = t.elapsed().as_secs_f64();
             sync(&routed);
-            wall.push(t.elapsed().as_secs_f64());
-        }
-        rows.push(Row {
-            way: "cuda-routed",
-            launches: n,
-            issue_us_per_launch: per_launch(median(std::mem::take(&mut issued))),
-            args_us_per_launch: None,
-            wall_us_per_chain: median(std::mem::take(&mut wall)) * 1e6,
-        });
-        for _ in 0..cli.reps {
+            Ok((None, issued, t.elapsed().as_secs_f64()))
+        })?);
+        rows.push(timed("kiln launcher", n, cli.reps, || {
             let t = Instant::now();
             let args = kiln_args(&kiln_chain);
-            build.push(t.elapsed().as_secs_f64());
+            let built = t.elapsed().as_secs_f64();
             let t = Instant::now();
             kiln_issue(args);
-            issued.push(t.elapsed().as_secs_f64());
+            let issued = t.elapsed().as_secs_f64();
             stream.synchronize()?;
-            wall.push(t.elapsed().as_secs_f64());
-        }
-        rows.push(Row {
-            way: "kiln launcher",
-            launches: n,
-            issue_us_per_launch: per_launch(median(std::mem::take(&mut issued))),
-            args_us_per_launch: Some(per_launch(median(build))),
-            wall_us_per_chain: median(std::mem::take(&mut wall)) * 1e6,
-        });
-        for _ in 0..cli.reps {
+            Ok((Some(built), issued, t.elapsed().as_secs_f64()))
+        })?);
+        rows.push(timed("graph replay", n, cli.reps, || {
             let t = Instant::now();
             graph.launch()?;
-            issued.push(t.elapsed().as_secs_f64());
+            let issued = t.elapsed().as_secs_f64();
             stream.synchronize()?;
-            wall.push(t.elapsed().as_secs_f64());
-        }
-        rows.push(Row {
-            way: "graph replay",
-            launches: n,
-            issue_us_per_launch: per_launch(median(issued)),
-            args_us_per_launch: None,
-            wall_us_per_chain: median(wall) * 1e6,
-        });
+            Ok((None, issued, t.elapsed().as_secs_f64()))
+        })?);
         report(
             &[
                 ("way", 14),
