@@ -106,7 +106,8 @@ fn a_request_that_cannot_start_yet_evicts_nothing() {
     run.step();
     assert_eq!(run.sched.running.len(), 1);
     // 8 pages wanted; 2 free and 4 the cache alone holds.
-    let mut big = run.submit(2, (300..332).collect(), 1);
+    let big_prompt: Vec<u32> = (300..332).collect();
+    let mut big = run.submit(2, big_prompt.clone(), 1);
     run.step();
     assert_eq!(run.sched.waiting.len(), 1, "{}", run.sched.describe());
     let hit = run.sched.cache.lookup(&cached);
@@ -114,9 +115,9 @@ fn a_request_that_cannot_start_yet_evicts_nothing() {
     drop(running);
     run.run_to_end();
     assert_eq!(
-        outcome(&mut big).0.len(),
-        1,
-        "it starts once the pool has room"
+        outcome(&mut big).0,
+        alone(&big_prompt, 1),
+        "it starts once the pool has room, and answers as alone"
     );
 }
 
