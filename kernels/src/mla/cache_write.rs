@@ -55,6 +55,10 @@ fn scale_field(amax: f32) -> u32 {
 /// `u` (values `512 + 2u`, `513 + 2u`); a warp's 128 latent values are one fp8 tile.
 const UNITS: usize = 128;
 
+/// The slot of a token whose KV row is not kept: a padding row of a batch replayed at a
+/// fixed size (the decode step's graphs).
+pub const PAD_SLOT: u32 = u32::MAX;
+
 /// Compile-time shape of a cache write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct WriteConfig {
@@ -63,8 +67,9 @@ struct WriteConfig {
     normed: bool,
 }
 
-/// One cube per token: row `t` of `kv` into cache row `slots[t]`, normalised and rotated
-/// first when `cfg.normed` (else `norm`, `positions` and `inv_freq` are not read).
+/// One cube per token: row `t` of `kv` into cache row `slots[t]` (none for [`PAD_SLOT`]),
+/// normalised and rotated first when `cfg.normed` (else `norm`, `positions` and `inv_freq`
+/// are not read).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn write_rows_kernel(
@@ -81,6 +86,10 @@ fn write_rows_kernel(
     let t = CUBE_POS_X as usize;
     let unit = UNIT_POS_X as usize;
     let row = t * 576;
+    if slots[t] == u32::new(PAD_SLOT as i64) {
+        // The whole cube (one token) leaves: no unit reaches the barriers below.
+        terminate!();
+    }
     let slot = slots[t] as usize;
     let mut x = Array::<f32>::new(4usize);
     #[unroll]
@@ -195,7 +204,8 @@ fn validate_write<R: Runtime>(
     Ok(())
 }
 
-/// Writes row `t` of `kv` (`[tokens, 576]`, finished rows) into cache row `slots[t]`.
+/// Writes row `t` of `kv` (`[tokens, 576]`, finished rows) into cache row `slots[t]`;
+/// a [`PAD_SLOT`] token writes nothing.
 pub fn write_kv<R: Runtime>(
     client: &ComputeClient<R>,
     kv: &DeviceArray<f32>,
@@ -219,7 +229,8 @@ pub struct KvRowPrep<'a> {
 }
 
 /// Writes row `t` of `kv_a` (`[tokens, 576]` as the `kv_a` projection leaves them) into
-/// cache row `slots[t]` after normalising its latent and rotating its rope part (`prep`).
+/// cache row `slots[t]` after normalising its latent and rotating its rope part (`prep`);
+/// a [`PAD_SLOT`] token writes nothing.
 pub fn write_kv_normed<R: Runtime>(
     client: &ComputeClient<R>,
     kv_a: &DeviceArray<f32>,

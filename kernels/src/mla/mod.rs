@@ -41,7 +41,7 @@ mod wide;
 use cubecl::prelude::*;
 
 pub use absorb::{absorb_query, absorbs_on_tensor_cores, project_values, KvBShape};
-pub use cache_write::{write_kv, write_kv_normed, KvRowPrep};
+pub use cache_write::{write_kv, write_kv_normed, KvRowPrep, PAD_SLOT};
 pub use heads::{attends_per_head, mla_prefill_heads, ContextRows, PER_HEAD_MIN_Q_LEN};
 pub use heads_mma::{attention_source as heads_attention_source, heads_on_tensor_cores};
 pub use page_copy::{gather_pages, page_words, scatter_pages};
@@ -199,9 +199,44 @@ fn mma_splits<R: Runtime>(
 /// request (64 heads, or a few tokens of fewer), except one decode token over less than
 /// 16k positions, where the 16-row kernel's 4 cubes per token start sooner (H200, 64 heads,
 /// batch 1, bf16: 8k 30.5 against 37.9 us; 32k 60.6 against 55.7, session 3's 16-row run).
-fn uses_wide(heads: usize, meta: &AttnMetadata) -> bool {
-    let short_single = meta.batch == 1 && meta.max_q_len == 1 && meta.max_kv_len < 16384;
-    heads * meta.max_q_len >= wide::ROWS as usize && !short_single
+fn uses_wide(heads: usize, batch: usize, max_q_len: usize, max_kv_len: usize) -> bool {
+    let short_single = batch == 1 && max_q_len == 1 && max_kv_len < 16384;
+    heads * max_q_len >= wide::ROWS as usize && !short_single
+}
+
+/// The tensor-core kernel's form and KV split count for a batch (`(wide, splits)`).
+fn mma_shape<R: Runtime>(
+    client: &ComputeClient<R>,
+    heads: usize,
+    batch: usize,
+    max_q_len: usize,
+    max_kv_len: usize,
+) -> (bool, usize) {
+    let wide = uses_wide(heads, batch, max_q_len, max_kv_len);
+    let (rows, per_sm, min_chunks) = if wide {
+        (wide::ROWS, 1, 2)
+    } else {
+        (mma::ROWS, 2, 4)
+    };
+    let groups = (max_q_len * heads).div_ceil(rows as usize);
+    let splits = mma_splits(client, groups * batch, per_sm, min_chunks, max_kv_len);
+    (wide, splits)
+}
+
+/// What [`mla_decode`]'s launches depend on beyond the arrays' lengths and the batch's
+/// `batch`, `max_q_len`, `max_blocks` and page size: on tensor cores the kernel's form and
+/// KV split count (`Some((wide, splits))`, chosen by the longest context), `None` for the
+/// portable kernel. Work replayed from a CUDA graph recorded at one `max_kv_len` is what a
+/// launch at another computes when this agrees.
+pub fn decode_launch<R: Runtime>(
+    client: &ComputeClient<R>,
+    heads: usize,
+    format: KvFormat,
+    precision: Precision,
+    (batch, max_q_len, max_kv_len): (usize, usize, usize),
+) -> Option<(bool, usize)> {
+    (uses_tensor_cores(client, format, precision))
+        .then(|| mma_shape(client, heads, batch, max_q_len, max_kv_len))
 }
 
 /// Launches the tensor-core kernel (and the combine when it splits the KV).
@@ -214,20 +249,9 @@ fn launch_mma<R: Runtime>(
     softmax_scale: f32,
     out: &DeviceArray<f32>,
 ) {
-    let wide = uses_wide(heads, meta);
-    let (rows, per_sm, min_chunks) = if wide {
-        (wide::ROWS, 1, 2)
-    } else {
-        (mma::ROWS, 2, 4)
-    };
+    let (wide, splits) = mma_shape(client, heads, meta.batch, meta.max_q_len, meta.max_kv_len);
+    let rows = if wide { wide::ROWS } else { mma::ROWS };
     let groups = (meta.max_q_len * heads).div_ceil(rows as usize);
-    let splits = mma_splits(
-        client,
-        groups * meta.batch,
-        per_sm,
-        min_chunks,
-        meta.max_kv_len,
-    );
     let total_rows = meta.num_tokens * heads;
     let (part_out, part_ml) = if splits > 1 {
         (

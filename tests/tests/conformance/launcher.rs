@@ -6,7 +6,8 @@
 //! words both ways. And kiln's own kernel functions, unchanged, issued through the routed
 //! runtime (`cuda-routed`) are captured into a graph and replayed: a chain of two
 //! launches writes what CubeCL's launches write, also after its input was overwritten in
-//! place (`routed::write`) between replays. CUDA only.
+//! place (`routed::write`) between replays; scratch the recording allocated stays the
+//! graph's. CUDA only.
 use kiln_backends::launcher::{Args, Kernel, Launcher};
 use kiln_backends::routed::{capture, replay, write};
 use kiln_backends::{Backend, Cuda, CudaRouted};
@@ -157,7 +158,7 @@ fn kernel_functions_issued_through_the_routed_runtime_are_captured_and_replayed(
         "routed, eagerly"
     );
     silu_mul(&client, &poison, &ones, &out).unwrap();
-    let graph = capture(&client, chain).unwrap();
+    let (graph, ()) = capture(&client, chain).unwrap();
     assert!(
         out.read(&client).iter().all(|v| v.is_nan()),
         "a capture runs nothing"
@@ -176,5 +177,26 @@ fn kernel_functions_issued_through_the_routed_runtime_are_captured_and_replayed(
         bits(out.read(&client)),
         expect(&second, &up),
         "a replay on new inputs"
+    );
+    // Scratch allocated while recording (freed when the closure returns) stays the
+    // graph's: a buffer made after the capture keeps its contents across a replay.
+    let (scratch_graph, ()) = capture(&client, || {
+        let mid = DeviceArray::uninit(&client, n);
+        silu_mul(&client, &x, &up_d, &mid)?;
+        silu_mul(&client, &mid, &up_d, &out)
+    })
+    .unwrap();
+    assert!(scratch_graph.kept_bytes() >= 4 * n as u64);
+    let later = DeviceArray::filled(&client, n, 7.0f32);
+    silu_mul(&client, &poison, &ones, &out).unwrap();
+    replay(&client, &scratch_graph).unwrap();
+    assert!(
+        later.read(&client).iter().all(|&v| v == 7.0),
+        "a replay wrote into memory allocated after its capture"
+    );
+    assert_eq!(
+        bits(out.read(&client)),
+        expect(&second, &up),
+        "the graph with scratch of its own"
     );
 }

@@ -6,7 +6,7 @@ use cubecl::prelude::*;
 use kiln_conformance::mla::{run_mla, AttnMode, MlaCase};
 use kiln_kernels::mla::{
     absorb_query, absorbs_on_tensor_cores, mla_decode, mla_prefill, project_values, write_kv,
-    write_kv_normed, AttnMetadata, KvBShape, KvFormat, KvRowPrep, PagedKvCache,
+    write_kv_normed, AttnMetadata, KvBShape, KvFormat, KvRowPrep, PagedKvCache, PAD_SLOT,
 };
 use kiln_kernels::rope::Rotation;
 use kiln_kernels::Precision;
@@ -294,9 +294,12 @@ impl SlotCache {
         }
     }
 
-    /// The new rows' slots, on the device.
-    fn slots<R: Runtime>(&self, client: &ComputeClient<R>) -> DeviceArray<u32> {
-        DeviceArray::upload(client, &self.order[..self.tokens])
+    /// The new rows' slots, then `pads` padding rows' ([`PAD_SLOT`]: written nowhere), on
+    /// the device.
+    fn slots<R: Runtime>(&self, client: &ComputeClient<R>, pads: usize) -> DeviceArray<u32> {
+        let mut slots = self.order[..self.tokens].to_vec();
+        slots.extend(std::iter::repeat_n(PAD_SLOT, pads));
+        DeviceArray::upload(client, &slots)
     }
 
     /// The new rows' words in token order, once every other row is seen to be untouched.
@@ -321,20 +324,20 @@ impl SlotCache {
 }
 
 /// New rows land in exactly their slots, bit-exact with the reference's bf16 and fp8
-/// encodings (tiles of tiny and of huge values included); every other row keeps its
-/// contents.
+/// encodings (tiles of tiny and of huge values included); padding rows land nowhere and
+/// every other row keeps its contents.
 fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
-    let strategy = (1usize..=9, 1usize..=5, formats(), any::<u64>());
-    run_cases(16, &strategy, |(tokens, spare, format, seed)| {
+    let strategy = (1usize..=9, 1usize..=5, 0usize..=2, formats(), any::<u64>());
+    run_cases(16, &strategy, |(tokens, spare, pads, format, seed)| {
         let mut rng = Rng::new(seed);
         let target = SlotCache::new(client, &mut rng, tokens, spare, format);
-        let mut kv = normal_with_outliers(&mut rng, tokens * 576, 1.0);
+        let mut kv = normal_with_outliers(&mut rng, (tokens + pads) * 576, 1.0);
         kv[..64].iter_mut().for_each(|v| *v *= 1e-4); // codes deep in the E4M3 subnormals
         kv[128..256].iter_mut().for_each(|v| *v *= 1e6); // a scale of 2^12 or more
         write_kv(
             client,
             &DeviceArray::upload(client, &kv),
-            &target.slots(client),
+            &target.slots(client, pads),
             &target.cache,
         )
         .unwrap();
@@ -365,17 +368,19 @@ fn cache_writes<R: Runtime>(client: &ComputeClient<R>) {
 /// Rows straight from the `kv_a` projection: the cache holds the reference's RMSNorm of the
 /// latent and rotation of the rope part (Kimi's YaRN, positions up to 200k), within the f32
 /// chain's bound plus the storage format's rounding (fp8: at up to twice the reference's
-/// tile scale, as a tile whose amax sits on a scale boundary may round either way); other
-/// rows keep their contents.
+/// tile scale, as a tile whose amax sits on a scale boundary may round either way); padding
+/// rows land nowhere and other rows keep their contents.
 fn normed_cache_writes<R: Runtime>(client: &ComputeClient<R>) {
-    let strategy = (1usize..=9, 1usize..=3, formats(), any::<u64>());
-    run_cases(16, &strategy, |(tokens, spare, format, seed)| {
+    let strategy = (1usize..=9, 1usize..=3, 0usize..=2, formats(), any::<u64>());
+    run_cases(16, &strategy, |(tokens, spare, pads, format, seed)| {
         let mut rng = Rng::new(seed);
         let target = SlotCache::new(client, &mut rng, tokens, spare, format);
-        let mut kv_a = normal_with_outliers(&mut rng, tokens * 576, 1.0);
+        let mut kv_a = normal_with_outliers(&mut rng, (tokens + pads) * 576, 1.0);
         kv_a[128..256].iter_mut().for_each(|v| *v *= 1e3); // one tile far above the rest
         let norm = normal_with_outliers(&mut rng, 512, 1.0);
-        let positions: Vec<u32> = (0..tokens).map(|_| rng.below(200_000) as u32).collect();
+        let positions: Vec<u32> = (0..tokens + pads)
+            .map(|_| rng.below(200_000) as u32)
+            .collect();
         let cfg = YarnConfig::kimi_k2();
         let freqs: Vec<f32> = inv_freq(64, &cfg).iter().map(|&f| f as f32).collect();
         let rope_scale = cos_sin_scale(&cfg);
@@ -398,7 +403,7 @@ fn normed_cache_writes<R: Runtime>(client: &ComputeClient<R>) {
             client,
             &DeviceArray::upload(client, &kv_a),
             &prep,
-            &target.slots(client),
+            &target.slots(client, pads),
             &target.cache,
         )
         .unwrap();

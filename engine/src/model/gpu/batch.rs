@@ -114,8 +114,46 @@ pub struct StepOutput {
 pub struct Launched<'a> {
     pub(super) reads: Reads<'a>,
     pub(super) hidden: Vec<(usize, Vec<f32>)>,
+    /// The rows that are the batch's and the logits' width (`None`: all rows are; a
+    /// replayed step's padding rows follow the batch's).
+    pub(super) rows: Option<(usize, usize)>,
     pub(super) launches: usize,
     pub(super) issue_seconds: f64,
+}
+
+/// What a step's kernels leave on the device, before any of it is read.
+pub(super) struct Issued {
+    /// `[rows, vocab]`.
+    pub logits: DeviceArray<f32>,
+    /// With sampling, each row's token, and with log-probabilities each row's token's,
+    /// `top`, the alternatives' ids and theirs.
+    pub sampled: Option<(DeviceArray<u32>, Option<LogprobArrays>)>,
+    /// `(layer, [tokens, hidden])` for each captured layer.
+    pub hidden: Vec<(usize, Vec<f32>)>,
+}
+
+pub(super) type LogprobArrays = (DeviceArray<f32>, usize, DeviceArray<u32>, DeviceArray<f32>);
+
+impl Issued {
+    /// Enqueues the reads of what the step returns, behind its kernels: waiting for them
+    /// later does not wait for work issued after.
+    pub fn reads<'a, R: Runtime>(&self, cl: &'a ComputeClient<R>) -> Reads<'a> {
+        match &self.sampled {
+            None => Reads::Logits(self.logits.read_later(cl)),
+            Some((ids, logprobs)) => Reads::Tokens {
+                tokens: ids.read_later(cl),
+                logprobs: logprobs.as_ref().map(|(token, top, ids, values)| {
+                    (
+                        token.read_later(cl),
+                        *top,
+                        ids.read_later(cl),
+                        values.read_later(cl),
+                    )
+                }),
+                sampled: ids.clone(),
+            },
+        }
+    }
 }
 
 /// The reads a launched step's outputs wait on.
@@ -150,7 +188,7 @@ impl Launched<'_> {
     /// Waits for the step and returns its outputs.
     pub fn wait(self) -> Result<StepOutput, ModelError> {
         let device = |e: ServerError| ModelError::Device(e.to_string());
-        let (logits, tokens, logprobs) = match self.reads {
+        let (mut logits, mut tokens, logprobs) = match self.reads {
             Reads::Logits(l) => (l.wait().map_err(device)?, Vec::new(), None),
             Reads::Tokens {
                 tokens, logprobs, ..
@@ -167,6 +205,12 @@ impl Launched<'_> {
                 (Vec::new(), tokens.wait().map_err(device)?, logprobs)
             }
         };
+        if let Some((rows, vocab)) = self.rows {
+            // Replayed at a padded size: the batch's rows come first. (Replays return no
+            // log-probabilities.)
+            logits.truncate(rows * vocab);
+            tokens.truncate(rows);
+        }
         Ok(StepOutput {
             logits,
             tokens,
@@ -176,6 +220,19 @@ impl Launched<'_> {
             issue_seconds: self.issue_seconds,
         })
     }
+}
+
+/// A batch's tokens as a step lays them out, checked against the vocabulary and the pool.
+pub(super) struct Layout {
+    pub tokens: Vec<u32>,
+    /// Each token's rotary position (a draft tree node's: its depth past the context).
+    pub positions: Vec<u32>,
+    /// Cache row of each token.
+    pub slots: Vec<u32>,
+    /// `requests + 1` prefix sums of the requests' token counts.
+    pub cu: Vec<u32>,
+    /// The longest block table (at least 1).
+    pub max_blocks: usize,
 }
 
 /// The layout of a batch, checked, uploaded once per step.
@@ -242,6 +299,71 @@ impl Batch {
         pool: &KvPool,
         per_head: Option<(usize, usize)>,
     ) -> Result<Plan, ModelError> {
+        let Layout {
+            tokens,
+            positions,
+            slots,
+            cu,
+            max_blocks,
+        } = self.layout(vocab, pool)?;
+        let all: Vec<usize> = (0..self.requests.len()).collect();
+        let meta = attention_meta(client, &self.requests, &all, max_blocks);
+        let (heads, rest): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&b| {
+            let r = &self.requests[b];
+            attends_per_head(r.tokens.len(), r.tree.is_some(), per_head.map(|p| p.0))
+        });
+        let part = |members: &[usize]| {
+            let rows: Vec<u32> = members.iter().flat_map(|&b| cu[b]..cu[b + 1]).collect();
+            let pos: Vec<u32> = rows.iter().map(|&t| positions[t as usize]).collect();
+            Part {
+                meta: attention_meta(client, &self.requests, members, max_blocks),
+                rows: (rows.len() < tokens.len()).then(|| DeviceArray::upload(client, &rows)),
+                positions: DeviceArray::upload(client, &pos),
+            }
+        };
+        let per_head = per_head.filter(|_| !heads.is_empty()).map(|(_, most)| {
+            let kv_lens: Vec<usize> = heads.iter().map(|&b| self.requests[b].kv_len).collect();
+            PerHeadSplit {
+                heads: part(&heads),
+                context: ContextRows::new(client, &kv_lens, most),
+                absorbed: (!rest.is_empty()).then(|| part(&rest)),
+            }
+        });
+        let rows: Option<Vec<u32>> = match &self.logits {
+            LogitRows::All => None,
+            LogitRows::Last => Some(cu[1..].iter().map(|&end| end - 1).collect()),
+            LogitRows::Tails(tails) => {
+                if tails.len() != self.requests.len()
+                    || tails
+                        .iter()
+                        .zip(&self.requests)
+                        .any(|(&n, r)| n == 0 || n > r.tokens.len())
+                {
+                    return Err(ModelError::Batch(format!(
+                        "logit tails {tails:?} do not fit the requests' tokens"
+                    )));
+                }
+                Some(
+                    (cu[1..].iter().zip(tails))
+                        .flat_map(|(&end, &n)| end - n as u32..end)
+                        .collect(),
+                )
+            }
+        };
+        let last_rows = rows.map(|rows| DeviceArray::upload(client, &rows));
+        Ok(Plan {
+            last_rows,
+            num_tokens: tokens.len(),
+            tokens: DeviceArray::upload(client, &tokens),
+            positions: DeviceArray::upload(client, &positions),
+            slots: DeviceArray::upload(client, &slots),
+            meta,
+            per_head,
+        })
+    }
+
+    /// Checks the batch against the vocabulary and the pool, and lays its tokens out.
+    pub(super) fn layout(&self, vocab: usize, pool: &KvPool) -> Result<Layout, ModelError> {
         let bad = |msg: String| Err(ModelError::Batch(msg));
         if self.requests.is_empty() {
             return bad("no requests".into());
@@ -311,59 +433,12 @@ impl Batch {
             }
             cu.push(tokens.len() as u32);
         }
-        let all: Vec<usize> = (0..self.requests.len()).collect();
-        let meta = attention_meta(client, &self.requests, &all, max_blocks);
-        let (heads, rest): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&b| {
-            let r = &self.requests[b];
-            attends_per_head(r.tokens.len(), r.tree.is_some(), per_head.map(|p| p.0))
-        });
-        let part = |members: &[usize]| {
-            let rows: Vec<u32> = members.iter().flat_map(|&b| cu[b]..cu[b + 1]).collect();
-            let pos: Vec<u32> = rows.iter().map(|&t| positions[t as usize]).collect();
-            Part {
-                meta: attention_meta(client, &self.requests, members, max_blocks),
-                rows: (rows.len() < tokens.len()).then(|| DeviceArray::upload(client, &rows)),
-                positions: DeviceArray::upload(client, &pos),
-            }
-        };
-        let per_head = per_head.filter(|_| !heads.is_empty()).map(|(_, most)| {
-            let kv_lens: Vec<usize> = heads.iter().map(|&b| self.requests[b].kv_len).collect();
-            PerHeadSplit {
-                heads: part(&heads),
-                context: ContextRows::new(client, &kv_lens, most),
-                absorbed: (!rest.is_empty()).then(|| part(&rest)),
-            }
-        });
-        let rows: Option<Vec<u32>> = match &self.logits {
-            LogitRows::All => None,
-            LogitRows::Last => Some(cu[1..].iter().map(|&end| end - 1).collect()),
-            LogitRows::Tails(tails) => {
-                if tails.len() != self.requests.len()
-                    || tails
-                        .iter()
-                        .zip(&self.requests)
-                        .any(|(&n, r)| n == 0 || n > r.tokens.len())
-                {
-                    return Err(ModelError::Batch(format!(
-                        "logit tails {tails:?} do not fit the requests' tokens"
-                    )));
-                }
-                Some(
-                    (cu[1..].iter().zip(tails))
-                        .flat_map(|(&end, &n)| end - n as u32..end)
-                        .collect(),
-                )
-            }
-        };
-        let last_rows = rows.map(|rows| DeviceArray::upload(client, &rows));
-        Ok(Plan {
-            last_rows,
-            num_tokens: tokens.len(),
-            tokens: DeviceArray::upload(client, &tokens),
-            positions: DeviceArray::upload(client, &positions),
-            slots: DeviceArray::upload(client, &slots),
-            meta,
-            per_head,
+        Ok(Layout {
+            tokens,
+            positions,
+            slots,
+            cu,
+            max_blocks,
         })
     }
 }

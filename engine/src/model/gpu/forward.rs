@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 
 use kiln_kernels::{DeviceArray, KernelError};
 
-use super::batch::{Launched, Plan, Reads};
+use super::batch::{Issued, Launched, Plan};
 use super::{Batch, Ffn, GpuModel, KvPool, Mlp, ModelError, Moe, StepOutput};
 
 /// Largest expansion of context rows into per-head keys and values (f32, plus their bf16
@@ -37,7 +37,8 @@ impl<R: Runtime> GpuModel<R> {
     /// Issues one step and returns without waiting for it: its outputs' reads are enqueued
     /// behind its kernels, so the host can plan and issue the next step (which may take
     /// input ids from this one's [`Launched::sampled`]) while the device runs this one.
-    /// `previous`: the sampled tokens [`Batch::from_previous`] reads.
+    /// `previous`: the sampled tokens [`Batch::from_previous`] reads. A decode step replays
+    /// a CUDA graph where the model keeps them ([`GpuModel::enable_graphs`]).
     pub fn launch(
         &self,
         batch: &Batch,
@@ -53,19 +54,80 @@ impl<R: Runtime> GpuModel<R> {
                 self.layers.len()
             )));
         }
-        let plan = self.plan(batch, pool)?;
-        let (cl, c) = (&self.client, &self.config);
-        if !batch.from_previous.is_empty() {
-            let previous = previous.ok_or_else(|| {
-                ModelError::Batch("tokens fed from a previous step that sampled none".into())
-            })?;
-            self.launched(feed_tokens(
-                cl,
-                previous,
-                &batch.from_previous,
-                &plan.tokens,
-            ))?;
+        #[cfg(feature = "cuda")]
+        if let Some((reads, rows)) = self.replayed(batch, pool, previous)? {
+            return Ok(Launched {
+                reads,
+                hidden: Vec::new(),
+                rows: Some(rows),
+                launches: self.launches.load(Ordering::Relaxed) - launches_before,
+                issue_seconds: issue_start.elapsed().as_secs_f64(),
+            });
         }
+        let plan = self.plan(batch, pool)?;
+        let cl = &self.client;
+        if !batch.from_previous.is_empty() {
+            self.fed(previous, &batch.from_previous, &plan.tokens)?;
+        }
+        let rows = plan.last_rows.as_ref().map_or(plan.num_tokens, |l| l.len());
+        let params = self.sampling_params(batch, rows)?;
+        let issued = self.issue(&plan, pool, &batch.capture, params.as_ref(), batch)?;
+        Ok(Launched {
+            reads: issued.reads(cl),
+            hidden: issued.hidden,
+            rows: None,
+            launches: self.launches.load(Ordering::Relaxed) - launches_before,
+            issue_seconds: issue_start.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The input ids `from_previous` names, read from `previous` into `tokens`.
+    pub(super) fn fed(
+        &self,
+        previous: Option<&DeviceArray<u32>>,
+        from_previous: &[(usize, usize)],
+        tokens: &DeviceArray<u32>,
+    ) -> Result<(), ModelError> {
+        let previous = previous.ok_or_else(|| {
+            ModelError::Batch("tokens fed from a previous step that sampled none".into())
+        })?;
+        self.launched(feed_tokens(&self.client, previous, from_previous, tokens))
+    }
+
+    /// The batch's sampling rows on the device (`None`: it returns logits), checked against
+    /// the `rows` rows of logits the step makes.
+    pub(super) fn sampling_params(
+        &self,
+        batch: &Batch,
+        rows: usize,
+    ) -> Result<Option<DeviceArray<u32>>, ModelError> {
+        match &batch.sampling {
+            None => Ok(None),
+            Some(sampling) if sampling.len() != rows => Err(ModelError::Batch(format!(
+                "{} sampling rows for {rows} rows of logits",
+                sampling.len()
+            ))),
+            Some(sampling) => {
+                let words: Vec<u32> = sampling.iter().flat_map(|r| r.words()).collect();
+                Ok(Some(DeviceArray::upload(&self.client, &words)))
+            }
+        }
+    }
+
+    /// The step's kernels over `plan`, from the embedding to the sampled tokens (with
+    /// `params`) or the logits; also reads the hidden states of the layers in `capture`.
+    /// `batch` gives the masks and the log-probabilities asked for. Launches kernels only
+    /// (besides `capture`'s reads and the masks' upload), so a decode step's call can be
+    /// recorded into a CUDA graph.
+    pub(super) fn issue(
+        &self,
+        plan: &Plan,
+        pool: &KvPool,
+        capture: &[usize],
+        params: Option<&DeviceArray<u32>>,
+        batch: &Batch,
+    ) -> Result<Issued, ModelError> {
+        let (cl, c) = (&self.client, &self.config);
         let t = plan.num_tokens;
         let eps = c.rms_norm_eps as f32;
         let residual = self.scratch(t * c.hidden_size);
@@ -94,7 +156,7 @@ impl<R: Runtime> GpuModel<R> {
                     &x,
                 ))?;
             }
-            self.attention(&layer.attn, &x, &plan, &pool.caches[i], &delta)?;
+            self.attention(&layer.attn, &x, plan, &pool.caches[i], &delta)?;
             self.all_reduced(t)?;
             self.launched(add_rmsnorm(
                 cl,
@@ -110,7 +172,7 @@ impl<R: Runtime> GpuModel<R> {
                 Ffn::Moe(moe) => self.moe(moe, &x, t, &delta)?,
             }
             self.all_reduced(t)?;
-            if batch.capture.contains(&i) {
+            if capture.contains(&i) {
                 // The layer's output is residual + delta; the device adds them in the next
                 // fused norm, the host adds them here (the same f32 sum).
                 let (r, d) = (residual.read(cl), delta.read(cl));
@@ -128,8 +190,7 @@ impl<R: Runtime> GpuModel<R> {
         };
         let logits = self.scratch(rows * c.vocab_size);
         self.launched(self.lm_head.apply(cl, &x, rows, &logits, self.precision))?;
-        let hidden = batch
-            .capture
+        let hidden = capture
             .iter()
             .map(|l| {
                 captured
@@ -139,19 +200,9 @@ impl<R: Runtime> GpuModel<R> {
                     .expect("captured above")
             })
             .collect();
-        // Kernels run asynchronously: everything up to here was host work issuing them
-        // (plus the reads of captured hidden states, which wait for the device).
-        let ids = match &batch.sampling {
+        let sampled = match params {
             None => None,
-            Some(sampling) if sampling.len() != rows => {
-                return Err(ModelError::Batch(format!(
-                    "{} sampling rows for {rows} rows of logits",
-                    sampling.len()
-                )));
-            }
-            Some(sampling) => {
-                let words: Vec<u32> = sampling.iter().flat_map(|r| r.words()).collect();
-                let params = DeviceArray::upload(cl, &words);
+            Some(params) => {
                 let ids = DeviceArray::<u32>::uninit(cl, rows);
                 let drawn_from = self.masked(&logits, rows, &batch.masks)?;
                 let drawn_from = drawn_from.as_ref().unwrap_or(&logits);
@@ -160,7 +211,7 @@ impl<R: Runtime> GpuModel<R> {
                     drawn_from,
                     rows,
                     c.vocab_size,
-                    &params,
+                    params,
                     &ids,
                 ))?;
                 let logprobs = match batch.logprobs {
@@ -186,28 +237,10 @@ impl<R: Runtime> GpuModel<R> {
                 Some((ids, logprobs))
             }
         };
-        // Enqueued now, behind the step's kernels: waiting for them later does not wait
-        // for work issued after.
-        let reads = match ids {
-            None => Reads::Logits(logits.read_later(cl)),
-            Some((ids, logprobs)) => Reads::Tokens {
-                tokens: ids.read_later(cl),
-                logprobs: logprobs.map(|(token, top, ids, values)| {
-                    (
-                        token.read_later(cl),
-                        top,
-                        ids.read_later(cl),
-                        values.read_later(cl),
-                    )
-                }),
-                sampled: ids,
-            },
-        };
-        Ok(Launched {
-            reads,
+        Ok(Issued {
+            logits,
+            sampled,
             hidden,
-            launches: self.launches.load(Ordering::Relaxed) - launches_before,
-            issue_seconds: issue_start.elapsed().as_secs_f64(),
         })
     }
 

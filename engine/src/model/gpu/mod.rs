@@ -8,6 +8,8 @@
 mod attention;
 mod batch;
 mod forward;
+#[cfg(feature = "cuda")]
+mod graphs;
 mod host_kv;
 mod synthetic;
 mod upload;
@@ -147,6 +149,9 @@ pub struct GpuModel<R: Runtime> {
     /// Requests of this many new tokens or more attend in MLA's per-head form (`None`: all
     /// absorbed); see `plan` for where the device keeps them absorbed.
     per_head_from: Option<usize>,
+    /// Decode steps recorded as CUDA graphs (`None`: every step issued eagerly).
+    #[cfg(feature = "cuda")]
+    graphs: Option<std::sync::Mutex<graphs::StepGraphs>>,
 }
 
 impl<R: Runtime> GpuModel<R> {
@@ -287,6 +292,8 @@ impl<R: Runtime> GpuModel<R> {
             launches: AtomicUsize::new(0),
             all_reduce: None,
             per_head_from: Some(PER_HEAD_MIN_Q_LEN),
+            #[cfg(feature = "cuda")]
+            graphs: None,
             config: c,
             client,
         }
