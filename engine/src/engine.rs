@@ -109,6 +109,9 @@ pub struct EngineConfig {
     /// Requests prefilling this many new tokens or more attend in MLA's per-head form
     /// (`GpuModel::set_per_head_from`; `None`: all absorbed).
     pub per_head_from: Option<usize>,
+    /// Batch sizes decode steps are recorded at as CUDA graphs and replayed
+    /// (`GpuModel::enable_graphs`; the `cuda-routed` backend); `None`: issued eagerly.
+    pub graph_sizes: Option<Vec<usize>>,
 }
 
 /// What the server needs to know about the running model.
@@ -250,6 +253,11 @@ impl BackendVisitor for Runner {
             Err(e) => return fail(StartError::Load(e)),
         };
         model.set_per_head_from(self.cfg.per_head_from);
+        if let Some(sizes) = &self.cfg.graph_sizes {
+            if let Err(e) = model.enable_graphs(sizes.clone()) {
+                return fail(StartError::Load(e));
+            }
+        }
         let page = self.cfg.page_size;
         let row_bytes = (self.cfg.kv_format.words_per_row() * 4) as u64;
         let layers = model.config.num_hidden_layers as u64;

@@ -57,6 +57,10 @@ struct Args {
     /// `kiln serve --mla-per-head-from` (0: always absorbed).
     #[arg(long, default_value_t = PER_HEAD_MIN_Q_LEN, value_name = "N")]
     mla_per_head_from: usize,
+    /// Replay decode steps from CUDA graphs, one recorded per --batches size (the
+    /// `cuda-routed` backend only).
+    #[arg(long)]
+    graphs: bool,
     /// Write every point as JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -112,6 +116,9 @@ impl Bench {
     ) -> anyhow::Result<GpuModel<R>> {
         let mut m = GpuModel::synthetic(client.clone(), self.shapes(c)?, seed)?;
         m.set_per_head_from(Some(self.args.mla_per_head_from).filter(|&n| n > 0));
+        if self.args.graphs {
+            m.enable_graphs(self.args.batches.clone())?;
+        }
         Ok(match self.args.tp_rank_of {
             Some(t) => m.with_all_reduce_stand_in(t)?,
             None => m,

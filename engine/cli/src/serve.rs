@@ -120,6 +120,12 @@ pub struct ServeArgs {
     /// tensor-core kernel does not take stays absorbed.
     #[arg(long, default_value_t = PER_HEAD_MIN_Q_LEN, value_name = "N")]
     mla_per_head_from: usize,
+    /// Record decode steps as CUDA graphs at these batch sizes and replay them, a batch
+    /// padded to the smallest size that holds it (larger batches, prefill chunks and draft
+    /// verification run eagerly); e.g. 1,2,4,8,16,32. Needs --backend cuda-routed. Each
+    /// graph holds the device memory its step allocates. Default: off.
+    #[arg(long, value_delimiter = ',', value_name = "N,...")]
+    cuda_graph_sizes: Vec<usize>,
 }
 
 /// `--speculative`.
@@ -277,6 +283,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         speculative: speculative(&args)?,
         overlap: !args.disable_overlap_schedule,
         per_head_from: (args.mla_per_head_from > 0).then_some(args.mla_per_head_from),
+        graph_sizes: (!args.cuda_graph_sizes.is_empty()).then(|| args.cuda_graph_sizes.clone()),
     };
     let engine = engine::start(cfg, source)?;
     let chat = KimiFormat::new(&codec).ok();

@@ -320,6 +320,14 @@ impl<R: Runtime> GpuModel<R> {
         self.per_head_from
     }
 
+    /// Without the `cuda` feature there is no routed runtime to record graphs on.
+    #[cfg(not(feature = "cuda"))]
+    pub fn enable_graphs(&mut self, _sizes: Vec<usize>) -> Result<(), ModelError> {
+        Err(ModelError::Unsupported(
+            "CUDA graphs need a build with the cuda feature and the cuda-routed backend".into(),
+        ))
+    }
+
     /// A KV pool for this model: `num_pages` pages of `page_size` tokens per layer.
     pub fn kv_pool(&self, num_pages: usize, page_size: usize, format: KvFormat) -> KvPool {
         let words = num_pages * page_size * format.words_per_row();
