@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The overlapped schedule against --disable-overlap-schedule, measured through kiln serve at
-# Kimi's width (the synthetic model of serve_sweep.sh cut to LAYERS layers): one server each
-# way, driven by kiln bench at every concurrency, /metrics after each (step-time counters:
-# with overlap the engine thread waits less on the device per step). Run from the repo root
-# on the GPU machine after `benches/gpu/run.sh build`:
+# The overlapped schedule against --disable-overlap-schedule, and against overlap with decode
+# steps replayed from CUDA graphs, measured through kiln serve at Kimi's width (the
+# synthetic model of serve_sweep.sh cut to LAYERS layers): one server each way, driven by
+# kiln bench at every concurrency, /metrics after each (step-time counters: with overlap the
+# engine thread waits less on the device per step, with graphs it issues less). Run from the
+# repo root on the GPU machine after `benches/gpu/run.sh build`:
 #
 #   benches/gpu/overlap_ab.sh LAYERS KV "CONCURRENCIES" SECONDS SCALE
 #   e.g. benches/gpu/overlap_ab.sh 4 bf16 "1 4 16" 10 0.1
@@ -15,6 +16,9 @@
 # Results under $OUT/overlap-L<layers>-<kv>/ (bench-<on|off>-c<C>.json, metrics-<on|off>-c<C>.txt);
 # benches/gpu/overlap_report.py summarises.
 # BACKEND=cuda-routed (environment) runs kiln on the routed runtime instead of cuda.
+# MODES (environment, default "on off") names the servers: on (overlapped), off (waiting),
+# graphs (overlapped, --cuda-graph-sizes GRAPH_SIZES, default 1,2,4,8,16,32; needs
+# BACKEND=cuda-routed).
 set -euo pipefail
 layers=$1 kv=$2 sweep=$3 duration=$4 scale=$5
 out="${OUT:-gpu-results}/overlap-L$layers-$kv"
@@ -23,9 +27,12 @@ export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt" || true
 base=(serve --backend "${BACKEND:-cuda}" --port 8765 --synthetic kimi-k2.6 --layers "$layers" --kv-cache-dtype "$kv")
-for mode in on off; do
+for mode in ${MODES:-on off}; do
   args=("${base[@]}")
-  if [ "$mode" = off ]; then args+=(--disable-overlap-schedule); fi
+  case $mode in
+    off) args+=(--disable-overlap-schedule) ;;
+    graphs) args+=(--cuda-graph-sizes "${GRAPH_SIZES:-1,2,4,8,16,32}") ;;
+  esac
   printf '[compilation.logger]\nlevel = "basic"\nfile = "%s"\n' "$(cd "$out" && pwd)/compile-$mode.log" > cubecl.toml
   .gpu/kiln "${args[@]}" > "$out/serve-$mode.out" 2> "$out/serve-$mode.log" &
   pid=$!

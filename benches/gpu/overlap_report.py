@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Summarises benches/gpu/overlap_ab.sh results: per concurrency, output tok/s per user
-(p50) and TTFT p50 with the overlapped schedule and without, their ratio, and from /metrics
+(p50) and TTFT p50 of each server (overlapped, waiting, overlapped with CUDA graphs), the
+ratio to the waiting server's (else the overlapped one's), and from /metrics
 the decode steps' engine-thread time per step (planning, issuing, waiting on the device,
 completing; counters are cumulative, so each concurrency's phase is the difference from
 the one before) and the steps overlapped.
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 PHASES = ["schedule", "issue", "device", "complete"]
+NAMES = {"on": "overlapped", "off": "waiting", "graphs": "overlapped, graphs"}
 
 
 def metrics(path):
@@ -32,10 +34,13 @@ def metrics(path):
 
 def main(d):
     d = Path(d)
-    print("| c | schedule | tok/s/user | x off | TTFT p50 s | decode step us: plan / issue / wait / complete | overlapped steps |")
+    modes = [m for m in NAMES if any(d.glob(f"bench-{m}-c*.json"))]
+    base_mode = "off" if "off" in modes else modes[0]
+    print(f"| c | schedule | tok/s/user | x {NAMES[base_mode]} | TTFT p50 s "
+          "| decode step us: plan / issue / wait / complete | overlapped steps |")
     print("|" + "---|" * 7)
     rows = {}
-    for mode in ["on", "off"]:
+    for mode in modes:
         # Counters are cumulative from the server's start, its warm-up pass included.
         warm = d / f"metrics-{mode}-warm.txt"
         before = metrics(warm) if warm.exists() else {}
@@ -47,9 +52,9 @@ def main(d):
             before = after
             rows[(c, mode)] = (p, delta)
     for c in sorted({c for c, _ in rows}):
-        base = rows.get((c, "off"), ({}, {}))[0]
+        base = rows.get((c, base_mode), ({}, {}))[0]
         base_tps = (base.get("output_tps_per_user") or {}).get("p50")
-        for mode in ["on", "off"]:
+        for mode in modes:
             if (c, mode) not in rows:
                 continue
             p, m = rows[(c, mode)]
@@ -58,7 +63,7 @@ def main(d):
             ttft = (p.get("ttft_s") or {}).get("p50", float("nan"))
             steps = m.get("steps") or float("nan")
             per = " / ".join(f"{m.get(k, float('nan')) / steps:.0f}" for k in PHASES)
-            print(f"| {c} | {'overlapped' if mode == 'on' else 'waiting'} | {tps:.1f} | {ratio:.2f} "
+            print(f"| {c} | {NAMES[mode]} | {tps:.1f} | {ratio:.2f} "
                   f"| {ttft:.3f} | {per} | {m.get('overlapped', 0):.0f} |")
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# kiln on CUDA: the kernel conformance suite, the HF-conformance tests of the model,
-# `kiln check`, and the benchmarks (bf16 GEMM against cuBLAS, Kimi-K2 per layer).
+# kiln on CUDA: the kernel conformance suite, the HF-conformance tests of the model, the
+# decode graphs' tests, `kiln check`, and the benchmarks (bf16 GEMM against cuBLAS, Kimi-K2 per layer).
 #
 #   benches/gpu/run.sh build   # on the CPU machine: CUDA-only binaries into .gpu/
 #   benches/gpu/run.sh run     # on the GPU machine, from the repo root: runs them,
@@ -42,6 +42,7 @@ case "${1:-}" in
     mkdir -p .gpu
     cp "$(test_exe kiln-conformance conformance)" .gpu/conformance
     cp "$(test_exe kiln hf_conformance)" .gpu/hf_conformance
+    cp "$(test_exe kiln graphs)" .gpu/graphs
     cp target/cuda/release/kiln target/cuda/release/layer_decode target/cuda/release/gemm_peer \
       target/cuda/release/gemm_decode target/cuda/release/moe_grouped \
       target/cuda/release/mla_decode target/cuda/release/mla_prefill target/cuda/release/tree_verify target/cuda/release/sample \
@@ -58,14 +59,16 @@ case "${1:-}" in
     kernels=${PIPESTATUS[0]}
     .gpu/hf_conformance --nocapture --test-threads 1 2>&1 | tee "$out/hf_conformance.log"
     model=${PIPESTATUS[0]}
+    .gpu/graphs --test-threads 1 2>&1 | tee "$out/graphs.log"
+    graphs=${PIPESTATUS[0]}
     .gpu/kiln check --backend cuda --json "$out/check.json" 2>&1 | tee "$out/check.log"
     check=${PIPESTATUS[0]}
     .gpu/kiln generate --backend cuda --model tests/fixtures/hf/tiny-kimi \
       --prompt "kiln serves coding agents" --max-tokens 32 --ids 2>&1 | tee "$out/generate.log"
     set -e
-    grep -E "^test result" "$out/conformance.log" "$out/hf_conformance.log" || true
-    echo "conformance exit $kernels, hf_conformance exit $model, check exit $check"
-    [ "$kernels" -eq 0 ] && [ "$model" -eq 0 ] && [ "$check" -eq 0 ]
+    grep -E "^test result" "$out/conformance.log" "$out/hf_conformance.log" "$out/graphs.log" || true
+    echo "conformance exit $kernels, hf_conformance exit $model, graphs exit $graphs, check exit $check"
+    [ "$kernels" -eq 0 ] && [ "$model" -eq 0 ] && [ "$graphs" -eq 0 ] && [ "$check" -eq 0 ]
     ;;
   bench)
     mkdir -p "$out"
