@@ -11,6 +11,8 @@ mod forward;
 #[cfg(feature = "cuda")]
 mod graphs;
 mod host_kv;
+#[cfg(any(feature = "cuda", test))]
+mod padded;
 mod synthetic;
 mod upload;
 
