@@ -66,13 +66,13 @@ impl<R: Runtime> GpuModel<R> {
     /// runtime (`kiln_backends::routed::KilnCuda`, the `cuda-routed` backend).
     pub fn enable_graphs(&mut self, sizes: Vec<usize>) -> Result<(), ModelError> {
         if self.routed().is_none() {
-            return Err(ModelError::Unsupported(
-                "CUDA graphs need the cuda-routed backend".into(),
+            return Err(ModelError::Graphs(
+                "they need the cuda-routed backend".into(),
             ));
         }
         if sizes.is_empty() || sizes.contains(&0) {
-            return Err(ModelError::Unsupported(format!(
-                "graph batch sizes {sizes:?}: at least one, none zero"
+            return Err(ModelError::Graphs(format!(
+                "batch sizes {sizes:?}: at least one, none zero"
             )));
         }
         self.graphs = Some(std::sync::Mutex::new(StepGraphs::new(sizes)));
@@ -122,14 +122,14 @@ impl<R: Runtime> GpuModel<R> {
         };
         let rows = (n, self.config.vocab_size);
         if let Some(graph) = graphs.graphs.get(&key) {
-            for (device, host) in padded.writes(&graph.inputs) {
+            for (device, host) in writes(&padded, &graph.inputs) {
                 routed::write(client, device, host)
-                    .map_err(|e| ModelError::Device(e.to_string()))?;
+                    .map_err(|e| ModelError::Graphs(e.to_string()))?;
             }
             if !batch.from_previous.is_empty() {
                 self.fed(previous, &batch.from_previous, &graph.inputs.plan.tokens)?;
             }
-            routed::replay(client, &graph.graph).map_err(|e| ModelError::Device(e.to_string()))?;
+            routed::replay(client, &graph.graph).map_err(|e| ModelError::Graphs(e.to_string()))?;
             self.launches
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return Ok(Some((graph.issued.reads(&self.client), rows)));
@@ -143,7 +143,7 @@ impl<R: Runtime> GpuModel<R> {
             |model: &Self| model.issue(&inputs.plan, pool, &[], inputs.params.as_ref(), batch);
         let reads = step(self)?.reads(&self.client);
         let (graph, issued) = routed::capture(client, || step(self))
-            .map_err(|e| ModelError::Device(e.to_string()))?;
+            .map_err(|e| ModelError::Graphs(e.to_string()))?;
         tracing::info!(
             batch = size,
             max_blocks = key.max_blocks,
@@ -161,4 +161,21 @@ impl<R: Runtime> GpuModel<R> {
         );
         Ok(Some((reads, rows)))
     }
+}
+
+/// Each of `inputs`' buffers that changes from step to step, with what it is to hold for
+/// `padded` (`inputs` uploaded from a batch of the same size and widths).
+fn writes<'a>(padded: &'a Padded, inputs: &'a Inputs) -> Vec<(&'a DeviceArray<u32>, &'a [u32])> {
+    let p = &inputs.plan;
+    let mut writes = vec![
+        (&p.tokens, padded.tokens.as_slice()),
+        (&p.positions, &padded.positions),
+        (&p.slots, &padded.slots),
+        (&p.meta.kv_lens, &padded.kv_lens),
+        (&p.meta.block_table, &padded.block_table),
+    ];
+    if let (Some(device), Some(host)) = (&inputs.params, &padded.params) {
+        writes.push((device, host));
+    }
+    writes
 }

@@ -74,6 +74,8 @@ pub enum ModelError {
     Batch(String),
     #[error("device error: {0}")]
     Device(String),
+    #[error("CUDA graphs: {0}")]
+    Graphs(String),
 }
 
 enum QProj {
@@ -325,8 +327,8 @@ impl<R: Runtime> GpuModel<R> {
     /// Without the `cuda` feature there is no routed runtime to record graphs on.
     #[cfg(not(feature = "cuda"))]
     pub fn enable_graphs(&mut self, _sizes: Vec<usize>) -> Result<(), ModelError> {
-        Err(ModelError::Unsupported(
-            "CUDA graphs need a build with the cuda feature and the cuda-routed backend".into(),
+        Err(ModelError::Graphs(
+            "they need a build with the cuda feature and the cuda-routed backend".into(),
         ))
     }
 

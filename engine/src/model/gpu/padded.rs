@@ -106,26 +106,6 @@ impl Padded {
             params: self.params.as_ref().map(|p| DeviceArray::upload(client, p)),
         }
     }
-
-    /// Each of `inputs`' buffers that changes from step to step, with what it is to hold
-    /// for this batch (`inputs` uploaded from a batch of the same size and widths).
-    pub(super) fn writes<'a>(
-        &'a self,
-        inputs: &'a Inputs,
-    ) -> Vec<(&'a DeviceArray<u32>, &'a [u32])> {
-        let p = &inputs.plan;
-        let mut writes = vec![
-            (&p.tokens, self.tokens.as_slice()),
-            (&p.positions, &self.positions),
-            (&p.slots, &self.slots),
-            (&p.meta.kv_lens, &self.kv_lens),
-            (&p.meta.block_table, &self.block_table),
-        ];
-        if let (Some(device), Some(host)) = (&inputs.params, &self.params) {
-            writes.push((device, host));
-        }
-        writes
-    }
 }
 
 #[cfg(all(test, feature = "wgpu"))]
@@ -133,6 +113,7 @@ mod tests {
     use std::path::Path;
 
     use kiln_backends::{Backend, Wgpu};
+    use kiln_core::sampling::SamplingRow;
     use kiln_kernels::mla::KvFormat;
     use kiln_kernels::Precision;
 
@@ -168,9 +149,9 @@ mod tests {
     }
 
     /// Three requests decoding one token, padded to five: their rows' logits are the
-    /// unpadded step's (within the f32 chain's rounding, the same greedy token), the
-    /// padding rows' are finite, and nothing is written where the unpadded step writes
-    /// nothing.
+    /// unpadded step's (within the f32 chain's rounding), the tokens drawn on the device
+    /// with padded sampling rows are their greedy tokens, the padding rows' logits are
+    /// finite, and nothing is written where the unpadded step writes nothing.
     #[test]
     fn padding_rows_compute_aside_and_write_no_kv() {
         let dir =
@@ -180,7 +161,7 @@ mod tests {
         let (cl, vocab) = (model.client(), model.config.vocab_size);
         let lens = [5, 9, 2];
         let prefill = Batch::new((0..3).map(|i| slice(i, lens[i], lens[i])).collect());
-        let decode = Batch::last_logits((0..3).map(|i| slice(i, lens[i] + 1, 1)).collect());
+        let mut decode = Batch::last_logits((0..3).map(|i| slice(i, lens[i] + 1, 1)).collect());
         assert!(decode.paddable() && !prefill.paddable());
 
         let plain = pool(&model, 24);
@@ -190,12 +171,22 @@ mod tests {
         let padded_pool = pool(&model, 24);
         model.forward(&prefill, &padded_pool).unwrap();
         let layout = decode.layout(vocab, &padded_pool).unwrap();
+        decode.sampling = Some(vec![SamplingRow::greedy(); 3]);
         let padded = Padded::new(&decode, &layout, 5);
         assert_eq!(padded.max_blocks, 4, "3 pages widened to a power of two");
         let inputs = padded.upload(cl);
-        let issued = (model.issue(&inputs.plan, &padded_pool, &[], None, &decode)).unwrap();
+        let issued = model.issue(
+            &inputs.plan,
+            &padded_pool,
+            &[],
+            inputs.params.as_ref(),
+            &decode,
+        );
+        let issued = issued.unwrap();
         let got = issued.logits.read(cl);
         assert_eq!(got.len(), 5 * vocab);
+        let (ids, _) = issued.sampled.expect("sampled on the device");
+        let ids = ids.read(cl);
 
         let argmax = |row: &[f32]| (0..row.len()).max_by(|&a, &b| row[a].total_cmp(&row[b]));
         for (r, want) in want.chunks(vocab).enumerate() {
@@ -204,6 +195,11 @@ mod tests {
             let worst = (got.iter().zip(want)).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
             assert!(worst <= bound, "row {r}: off by {worst} (bound {bound})");
             assert_eq!(argmax(got), argmax(want), "row {r}'s greedy token");
+            assert_eq!(
+                argmax(want),
+                Some(ids[r] as usize),
+                "row {r} drawn on the device"
+            );
         }
         assert!(
             got[3 * vocab..].iter().all(|v| v.is_finite()),
