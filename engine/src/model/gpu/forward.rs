@@ -71,7 +71,7 @@ impl<R: Runtime> GpuModel<R> {
         }
         let rows = plan.last_rows.as_ref().map_or(plan.num_tokens, |l| l.len());
         let params = self.sampling_params(batch, rows)?;
-        let issued = self.issue(&plan, pool, &batch.capture, params.as_ref(), batch)?;
+        let issued = self.issue(&plan, pool, params.as_ref(), batch)?;
         Ok(Launched {
             reads: issued.reads(cl),
             hidden: issued.hidden,
@@ -114,16 +114,14 @@ impl<R: Runtime> GpuModel<R> {
         }
     }
 
-    /// The step's kernels over `plan`, from the embedding to the sampled tokens (with
-    /// `params`) or the logits; also reads the hidden states of the layers in `capture`.
-    /// `batch` gives the masks and the log-probabilities asked for. Launches kernels only
-    /// (besides `capture`'s reads and the masks' upload), so a decode step's call can be
-    /// recorded into a CUDA graph.
+    /// The step's kernels over `plan` (`batch` laid out), from the embedding to the
+    /// sampled tokens (with `params`) or the logits; also reads the hidden states of the
+    /// layers `batch` captures. Launches kernels only (besides those reads and the upload
+    /// of the batch's masks), so a decode step's call can be recorded into a CUDA graph.
     pub(super) fn issue(
         &self,
         plan: &Plan,
         pool: &KvPool,
-        capture: &[usize],
         params: Option<&DeviceArray<u32>>,
         batch: &Batch,
     ) -> Result<Issued, ModelError> {
@@ -172,7 +170,7 @@ impl<R: Runtime> GpuModel<R> {
                 Ffn::Moe(moe) => self.moe(moe, &x, t, &delta)?,
             }
             self.all_reduced(t)?;
-            if capture.contains(&i) {
+            if batch.capture.contains(&i) {
                 // The layer's output is residual + delta; the device adds them in the next
                 // fused norm, the host adds them here (the same f32 sum).
                 let (r, d) = (residual.read(cl), delta.read(cl));
@@ -190,7 +188,8 @@ impl<R: Runtime> GpuModel<R> {
         };
         let logits = self.scratch(rows * c.vocab_size);
         self.launched(self.lm_head.apply(cl, &x, rows, &logits, self.precision))?;
-        let hidden = capture
+        let hidden = batch
+            .capture
             .iter()
             .map(|l| {
                 captured

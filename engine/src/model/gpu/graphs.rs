@@ -11,7 +11,8 @@
 //! device buffers of its own, written in place before each replay (`routed::write`), and
 //! its outputs are read after it. The first step of a shape runs eagerly, which compiles
 //! its kernels, and is then recorded. A graph holds the memory its recording allocated
-//! (`routed::Captured`).
+//! (`routed::Captured`); at most [`MAX_GRAPHS`] are kept, the least recently run dropped
+//! first.
 //!
 //! A replayed step computes what the eager step of the same padded batch computes, bit for
 //! bit. A batch smaller than its padded size can differ from its unpadded eager step in
@@ -27,11 +28,18 @@ use super::batch::{Issued, Reads};
 use super::padded::{Inputs, Padded};
 use super::{Batch, GpuModel, KvPool, ModelError};
 
+/// Graphs a model keeps at most: recording one more drops the least recently replayed
+/// (contexts that grow move a session's steps through block-table widths and split counts,
+/// and each graph holds its step's scratch).
+const MAX_GRAPHS: usize = 24;
+
 /// The recorded decode graphs of a model, by shape.
 pub(super) struct StepGraphs {
     /// Batch sizes graphs are recorded at, ascending.
     sizes: Vec<usize>,
     graphs: HashMap<Key, StepGraph>,
+    /// Steps replayed or recorded so far (the graphs' clock).
+    steps: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -47,6 +55,8 @@ struct StepGraph {
     inputs: Inputs,
     graph: Captured,
     issued: Issued,
+    /// The clock when it last ran.
+    used: u64,
 }
 
 impl StepGraphs {
@@ -56,6 +66,7 @@ impl StepGraphs {
         StepGraphs {
             sizes,
             graphs: HashMap::new(),
+            steps: 0,
         }
     }
 }
@@ -121,7 +132,10 @@ impl<R: Runtime> GpuModel<R> {
             samples: padded.params.is_some(),
         };
         let rows = (n, self.config.vocab_size);
-        if let Some(graph) = graphs.graphs.get(&key) {
+        graphs.steps += 1;
+        let now = graphs.steps;
+        if let Some(graph) = graphs.graphs.get_mut(&key) {
+            graph.used = now;
             for (device, host) in writes(&padded, &graph.inputs) {
                 routed::write(client, device, host)
                     .map_err(|e| ModelError::Graphs(e.to_string()))?;
@@ -139,8 +153,7 @@ impl<R: Runtime> GpuModel<R> {
         if !batch.from_previous.is_empty() {
             self.fed(previous, &batch.from_previous, &inputs.plan.tokens)?;
         }
-        let step =
-            |model: &Self| model.issue(&inputs.plan, pool, &[], inputs.params.as_ref(), batch);
+        let step = |model: &Self| model.issue(&inputs.plan, pool, inputs.params.as_ref(), batch);
         let reads = step(self)?.reads(&self.client);
         let (graph, issued) = routed::capture(client, || step(self))
             .map_err(|e| ModelError::Graphs(e.to_string()))?;
@@ -151,12 +164,23 @@ impl<R: Runtime> GpuModel<R> {
             held_mib = graph.kept_bytes() as f64 / (1 << 20) as f64,
             "recorded a decode step as a CUDA graph"
         );
+        if graphs.graphs.len() >= MAX_GRAPHS {
+            let oldest = (graphs.graphs.iter())
+                .min_by_key(|(_, g)| g.used)
+                .map(|(k, _)| *k);
+            // Its last replay finishes before its memory may be handed out again.
+            cubecl::future::block_on(client.sync())
+                .map_err(|e| ModelError::Graphs(e.to_string()))?;
+            graphs.graphs.remove(&oldest.expect("graphs are kept"));
+        }
+        let used = now;
         graphs.graphs.insert(
             key,
             StepGraph {
                 inputs,
                 graph,
                 issued,
+                used,
             },
         );
         Ok(Some((reads, rows)))

@@ -175,13 +175,7 @@ mod tests {
         let padded = Padded::new(&decode, &layout, 5);
         assert_eq!(padded.max_blocks, 4, "3 pages widened to a power of two");
         let inputs = padded.upload(cl);
-        let issued = model.issue(
-            &inputs.plan,
-            &padded_pool,
-            &[],
-            inputs.params.as_ref(),
-            &decode,
-        );
+        let issued = model.issue(&inputs.plan, &padded_pool, inputs.params.as_ref(), &decode);
         let issued = issued.unwrap();
         let got = issued.logits.read(cl);
         assert_eq!(got.len(), 5 * vocab);
