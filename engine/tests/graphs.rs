@@ -18,9 +18,13 @@ const PAGE: usize = 4;
 /// Pages of each request's own region of the pool.
 const PAGES: usize = 16;
 
-fn model(graphs: Option<Vec<usize>>) -> Model {
+fn checkpoint() -> Checkpoint {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf/tiny-kimi-nvfp4");
-    let ckpt = Checkpoint::open(&dir).unwrap();
+    Checkpoint::open(&dir).unwrap()
+}
+
+fn model(graphs: Option<Vec<usize>>) -> Model {
+    let ckpt = checkpoint();
     let mut model = GpuModel::load_with(CudaRouted::client(), &ckpt, Precision::Bf16).unwrap();
     if let Some(sizes) = graphs {
         model.enable_graphs(sizes).unwrap();
@@ -51,6 +55,13 @@ fn slice(model: &Model, i: usize, len: usize, new: usize) -> RequestSlice {
     }
 }
 
+/// Decode step `step` of requests `0..requests` (each one new token after its prefill).
+fn decoding(model: &Model, requests: usize, step: usize) -> Vec<RequestSlice> {
+    (0..requests)
+        .map(|i| slice(model, i, 2 * i + 2 + step, 1))
+        .collect()
+}
+
 /// `requests` prefilled (eagerly: a prefill is never replayed) with `2i + 1` tokens each.
 fn prefilled(model: &Model, requests: usize) -> KvPool {
     let pool = model.kv_pool(requests * PAGES, PAGE, KvFormat::Fp8);
@@ -72,10 +83,8 @@ fn replayed_decode_steps_compute_the_eager_steps_bits() {
         let pool = prefilled(&model, 4);
         let mut bits = Vec::new();
         for step in 0..20 {
-            let batch = (0..4)
-                .map(|i| slice(&model, i, 2 * i + 2 + step, 1))
-                .collect();
-            let out = model.forward(&Batch::last_logits(batch), &pool).unwrap();
+            let batch = Batch::last_logits(decoding(&model, 4, step));
+            let out = model.forward(&batch, &pool).unwrap();
             bits.extend(out.iter().map(|x| x.to_bits()));
         }
         bits
@@ -97,10 +106,7 @@ fn padded_replays_emit_the_eager_greedy_tokens() {
         let mut emitted = Vec::new();
         let mut previous = None;
         for step in 0..16 {
-            let requests = (0..3)
-                .map(|i| slice(&model, i, 2 * i + 2 + step, 1))
-                .collect();
-            let mut batch = Batch::last_logits(requests);
+            let mut batch = Batch::last_logits(decoding(&model, 3, step));
             batch.sampling = Some(vec![SamplingRow::greedy(); 3]);
             if step > 0 {
                 batch.from_previous = (0..3).map(|i| (i, i)).collect();
@@ -119,9 +125,7 @@ fn padded_replays_emit_the_eager_greedy_tokens() {
 /// Graphs are refused where they cannot run, and a batch larger than every size runs eagerly.
 #[test]
 fn graphs_need_the_routed_runtime_and_sizes() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf/tiny-kimi-nvfp4");
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    let mut cubecl = GpuModel::load(kiln_backends::Cuda::client(), &ckpt).unwrap();
+    let mut cubecl = GpuModel::load(kiln_backends::Cuda::client(), &checkpoint()).unwrap();
     assert!(
         cubecl.enable_graphs(vec![4]).is_err(),
         "CubeCL's own runtime"
@@ -131,7 +135,7 @@ fn graphs_need_the_routed_runtime_and_sizes() {
     assert!(routed.enable_graphs(vec![0, 4]).is_err());
     routed.enable_graphs(vec![2]).unwrap();
     let pool = prefilled(&routed, 3);
-    let batch = (0..3).map(|i| slice(&routed, i, 2 * i + 2, 1)).collect();
-    let out = routed.step(&Batch::last_logits(batch), &pool).unwrap();
+    let batch = Batch::last_logits(decoding(&routed, 3, 0));
+    let out = routed.step(&batch, &pool).unwrap();
     assert_eq!(out.logits.len(), 3 * routed.config.vocab_size);
 }

@@ -204,14 +204,24 @@ fn uses_wide(heads: usize, batch: usize, max_q_len: usize, max_kv_len: usize) ->
     heads * max_q_len >= wide::ROWS as usize && !short_single
 }
 
-/// The tensor-core kernel's form and KV split count for a batch (`(wide, splits)`).
+/// How the tensor-core kernel launches for a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MmaShape {
+    /// The 64-row kernel (else the 16-row one).
+    pub wide: bool,
+    /// Query-row groups of a request (the grid's x).
+    pub groups: usize,
+    /// KV splits (the grid's y; combined after when more than one).
+    pub splits: usize,
+}
+
 fn mma_shape<R: Runtime>(
     client: &ComputeClient<R>,
     heads: usize,
     batch: usize,
     max_q_len: usize,
     max_kv_len: usize,
-) -> (bool, usize) {
+) -> MmaShape {
     let wide = uses_wide(heads, batch, max_q_len, max_kv_len);
     let (rows, per_sm, min_chunks) = if wide {
         (wide::ROWS, 1, 2)
@@ -220,21 +230,25 @@ fn mma_shape<R: Runtime>(
     };
     let groups = (max_q_len * heads).div_ceil(rows as usize);
     let splits = mma_splits(client, groups * batch, per_sm, min_chunks, max_kv_len);
-    (wide, splits)
+    MmaShape {
+        wide,
+        groups,
+        splits,
+    }
 }
 
 /// What [`mla_decode`]'s launches depend on beyond the arrays' lengths and the batch's
-/// `batch`, `max_q_len`, `max_blocks` and page size: on tensor cores the kernel's form and
-/// KV split count (`Some((wide, splits))`, chosen by the longest context), `None` for the
-/// portable kernel. Work replayed from a CUDA graph recorded at one `max_kv_len` is what a
-/// launch at another computes when this agrees.
+/// `batch`, `max_q_len`, `max_blocks` and page size: on tensor cores the kernel's shape
+/// (its split count chosen by the longest context), `None` for the portable kernel. Work
+/// replayed from a CUDA graph recorded at one `max_kv_len` is what a launch at another
+/// computes when this agrees.
 pub fn decode_launch<R: Runtime>(
     client: &ComputeClient<R>,
     heads: usize,
     format: KvFormat,
     precision: Precision,
     (batch, max_q_len, max_kv_len): (usize, usize, usize),
-) -> Option<(bool, usize)> {
+) -> Option<MmaShape> {
     (uses_tensor_cores(client, format, precision))
         .then(|| mma_shape(client, heads, batch, max_q_len, max_kv_len))
 }
@@ -249,9 +263,11 @@ fn launch_mma<R: Runtime>(
     softmax_scale: f32,
     out: &DeviceArray<f32>,
 ) {
-    let (wide, splits) = mma_shape(client, heads, meta.batch, meta.max_q_len, meta.max_kv_len);
-    let rows = if wide { wide::ROWS } else { mma::ROWS };
-    let groups = (meta.max_q_len * heads).div_ceil(rows as usize);
+    let MmaShape {
+        wide,
+        groups,
+        splits,
+    } = mma_shape(client, heads, meta.batch, meta.max_q_len, meta.max_kv_len);
     let total_rows = meta.num_tokens * heads;
     let (part_out, part_ml) = if splits > 1 {
         (

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 
 use cubecl::prelude::*;
 use kiln_backends::routed::{self, Captured, KilnCuda};
-use kiln_kernels::mla::decode_launch;
+use kiln_kernels::mla::{decode_launch, MmaShape};
 use kiln_kernels::DeviceArray;
 
 use super::batch::{Issued, Reads};
@@ -46,7 +46,7 @@ pub(super) struct StepGraphs {
 struct Key {
     batch: usize,
     max_blocks: usize,
-    attention: Option<(bool, usize)>,
+    attention: Option<MmaShape>,
     samples: bool,
 }
 
