@@ -7,7 +7,9 @@
 //! A decode batch ([`Batch::paddable`]) runs padded to the smallest of the model's batch
 //! sizes that holds it (`padded.rs`). A graph is keyed by that size, the padded block
 //! table's width, the attention kernel's form and split count
-//! ([`kiln_kernels::mla::decode_launch`]) and whether the step samples. Its inputs live in
+//! ([`kiln_kernels::mla::decode_launch`], chosen for the table's width, so they change
+//! only with it: a request's growing context is recorded once per power of two of its
+//! pages) and whether the step samples. Its inputs live in
 //! device buffers of its own, written in place before each replay (`routed::write`), and
 //! its outputs are read after it. The first step of a shape runs eagerly, which compiles
 //! its kernels, and is then recorded. A graph holds the memory its recording allocated
@@ -117,7 +119,7 @@ impl<R: Runtime> GpuModel<R> {
             return Ok(None);
         };
         let layout = batch.layout(self.config.vocab_size, pool)?;
-        let padded = Padded::new(batch, &layout, size);
+        let padded = Padded::new(batch, &layout, size, pool.page_size);
         let format = pool.caches[0].format;
         let key = Key {
             batch: size,

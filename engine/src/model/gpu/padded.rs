@@ -1,8 +1,10 @@
 //! A decode batch padded to a fixed number of requests, as a CUDA graph replays it
 //! (`graphs.rs`): padding rows repeat request 0's position and context, read token 0, and
-//! write no KV row ([`PAD_SLOT`]); the block table is widened to a power of two. Their
-//! inputs live in device buffers of their own, which a graph reads and which are written
-//! over in place before each replay.
+//! write no KV row ([`PAD_SLOT`]); the block table is widened to a power of two, and the
+//! attention kernel is shaped for the whole width (its longest context taken as the pages
+//! the table holds), so a graph serves a batch's steps until a context outgrows the
+//! width. Their inputs live in device buffers of their own, which a graph reads and which
+//! are written over in place before each replay.
 use cubecl::prelude::*;
 use kiln_kernels::mla::{AttnMetadata, PAD_SLOT};
 use kiln_kernels::DeviceArray;
@@ -21,6 +23,7 @@ pub(super) struct Padded {
     pub max_blocks: usize,
     /// The sampling rows' words, when the step samples.
     pub params: Option<Vec<u32>>,
+    /// The positions `max_blocks` pages hold: the longest context the step is shaped for.
     pub max_kv_len: usize,
 }
 
@@ -47,8 +50,9 @@ impl Batch {
 }
 
 impl Padded {
-    /// `batch` (laid out as `layout`, [`Batch::paddable`]) padded to `size` requests.
-    pub(super) fn new(batch: &Batch, layout: &Layout, size: usize) -> Self {
+    /// `batch` (laid out as `layout`, [`Batch::paddable`], over pages of `page_size`)
+    /// padded to `size` requests.
+    pub(super) fn new(batch: &Batch, layout: &Layout, size: usize, page_size: usize) -> Self {
         let n = batch.requests.len();
         debug_assert!(n <= size && batch.paddable());
         let source = |i: usize| if i < n { i } else { 0 };
@@ -74,7 +78,7 @@ impl Padded {
             max_blocks,
             params: (batch.sampling.as_ref())
                 .map(|rows| (0..size).flat_map(|i| rows[source(i)].words()).collect()),
-            max_kv_len: batch.requests.iter().map(|r| r.kv_len).max().unwrap_or(1),
+            max_kv_len: max_blocks * page_size,
         }
     }
 
@@ -172,8 +176,9 @@ mod tests {
         model.forward(&prefill, &padded_pool).unwrap();
         let layout = decode.layout(vocab, &padded_pool).unwrap();
         decode.sampling = Some(vec![SamplingRow::greedy(); 3]);
-        let padded = Padded::new(&decode, &layout, 5);
+        let padded = Padded::new(&decode, &layout, 5, 4);
         assert_eq!(padded.max_blocks, 4, "3 pages widened to a power of two");
+        assert_eq!(padded.max_kv_len, 16, "shaped for the 4 pages, not the 10 positions");
         let inputs = padded.upload(cl);
         let issued = model.issue(&inputs.plan, &padded_pool, inputs.params.as_ref(), &decode);
         let issued = issued.unwrap();
