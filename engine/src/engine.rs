@@ -454,6 +454,9 @@ fn run<'m, R: Runtime>(
             let previous = in_flight.as_ref().and_then(|f| f.launched.sampled());
             model.launch(&step.batch, pool, previous)
         });
+        if let Some(graphs) = model.graph_stats() {
+            metrics.record_graphs(graphs);
+        }
         // The step before ends while this one runs.
         if let Some(f) = in_flight.take() {
             metrics.overlapped_steps.add(1);

@@ -6,6 +6,8 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
+use crate::model::gpu::GraphStats;
+
 /// A gauge holding an f64.
 #[derive(Debug, Default)]
 pub struct Gauge(AtomicU64);
@@ -29,6 +31,10 @@ impl Counter {
     }
     pub fn get(&self) -> u64 {
         self.0.load(Relaxed)
+    }
+    /// Moves the count up to `total`, a running total kept elsewhere.
+    pub fn raise_to(&self, total: u64) {
+        self.0.fetch_max(total, Relaxed);
     }
 }
 
@@ -142,6 +148,11 @@ pub struct Metrics {
     pub spec_drafter_bytes: Gauge,
     /// What the draft policy decided for each decode step, by [`PolicyDecision`].
     pub spec_policy_steps: [Counter; 4],
+    /// The decode graphs (`--cuda-graph-sizes`): kept, their memory, recorded, replayed.
+    pub cuda_graphs: Gauge,
+    pub cuda_graph_bytes: Gauge,
+    pub cuda_graph_recordings: Counter,
+    pub cuda_graph_replays: Counter,
     pub ttft: Histogram,
     pub itl: Histogram,
 }
@@ -178,6 +189,10 @@ impl Default for Metrics {
             spec_accept_length: Histogram::new(ACCEPT_LENGTH_BOUNDS),
             spec_drafter_bytes: Gauge::default(),
             spec_policy_steps: Default::default(),
+            cuda_graphs: Gauge::default(),
+            cuda_graph_bytes: Gauge::default(),
+            cuda_graph_recordings: Counter::default(),
+            cuda_graph_replays: Counter::default(),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
         }
@@ -247,6 +262,14 @@ impl Metrics {
         t.complete_us.add(us(complete));
     }
 
+    /// The model's decode graphs as [`GpuModel::graph_stats`] reports them.
+    pub fn record_graphs(&self, g: GraphStats) {
+        self.cuda_graphs.set(g.held as f64);
+        self.cuda_graph_bytes.set(g.held_bytes as f64);
+        self.cuda_graph_recordings.raise_to(g.recorded);
+        self.cuda_graph_replays.raise_to(g.replayed);
+    }
+
     /// Cached prompt tokens over all prompt tokens admitted so far (0 before any).
     pub fn cache_hit_rate(&self) -> f64 {
         let prompt = self.prompt_tokens.get();
@@ -310,6 +333,16 @@ impl Metrics {
             "spec_drafter_bytes",
             "Host memory the speculative drafter's tables hold, about.",
             self.spec_drafter_bytes.get(),
+        );
+        gauge(
+            "cuda_graphs",
+            "Decode steps' CUDA graphs kept.",
+            self.cuda_graphs.get(),
+        );
+        gauge(
+            "cuda_graph_bytes",
+            "Device memory the kept CUDA graphs hold.",
+            self.cuda_graph_bytes.get(),
         );
         gauge(
             "cache_hit_rate",
@@ -392,6 +425,16 @@ impl Metrics {
             "overlapped_steps_total",
             "Steps planned and issued while the step before ran on the device.",
             self.overlapped_steps.get(),
+        );
+        counter(
+            "cuda_graph_recordings_total",
+            "Decode steps recorded as CUDA graphs (one per shape; rising under steady load means shapes churn).",
+            self.cuda_graph_recordings.get(),
+        );
+        counter(
+            "cuda_graph_replays_total",
+            "Decode steps replayed from a CUDA graph.",
+            self.cuda_graph_replays.get(),
         );
         counter(
             "spec_drafted_tokens_total",
@@ -598,6 +641,29 @@ mod tests {
             "kiln_step_issue_microseconds_total{kind=\"decode\"} 4000",
             "kiln_step_device_microseconds_total{kind=\"prefill\"} 70000",
             "kiln_step_complete_microseconds_total{kind=\"decode\"} 8000",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing");
+        }
+    }
+
+    #[test]
+    fn graph_stats_are_rendered_as_the_model_last_reported_them() {
+        let m = Metrics::default();
+        let stats = |held, recorded, replayed| GraphStats {
+            held,
+            held_bytes: (held as u64) << 20,
+            recorded,
+            replayed,
+        };
+        m.record_graphs(stats(3, 5, 100));
+        // One more recorded, the least recently run of the kept ones dropped.
+        m.record_graphs(stats(2, 6, 130));
+        let text = m.render();
+        for line in [
+            "kiln_cuda_graphs 2",
+            "kiln_cuda_graph_bytes 2097152",
+            "kiln_cuda_graph_recordings_total 6",
+            "kiln_cuda_graph_replays_total 130",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing");
         }

@@ -73,9 +73,10 @@ fn prefilled(model: &Model, requests: usize) -> KvPool {
 }
 
 /// Four requests of different context lengths decoded together for 20 steps, at a batch
-/// size graphs are recorded at: the first decode step records, the others replay with new
-/// ids, positions, slots, KV lengths and block tables written in place. Every logit is the
-/// eager step's, bit for bit.
+/// size graphs are recorded at: the first step of each block-table width (2, 4 and 8
+/// pages as the longest context grows from 8 to 27 tokens) records, the others replay with
+/// new ids, positions, slots, KV lengths and block tables written in place. Every logit is
+/// the eager step's, bit for bit.
 #[test]
 fn replayed_decode_steps_compute_the_eager_steps_bits() {
     let logits = |graphs: Option<Vec<usize>>| {
@@ -87,9 +88,14 @@ fn replayed_decode_steps_compute_the_eager_steps_bits() {
             let out = model.forward(&batch, &pool).unwrap();
             bits.extend(out.iter().map(|x| x.to_bits()));
         }
-        bits
+        (bits, model.graph_stats())
     };
-    let (eager, replayed) = (logits(None), logits(Some(vec![1, 4, 8])));
+    let ((eager, none), (replayed, stats)) = (logits(None), logits(Some(vec![1, 4, 8])));
+    assert_eq!(none, None);
+    let stats = stats.expect("graphs are on");
+    assert_eq!((stats.recorded, stats.replayed), (3, 17), "{stats:?}");
+    assert_eq!(stats.held, 3);
+    assert!(stats.held_bytes > 0);
     assert_eq!(eager.len(), replayed.len());
     let differ = eager.iter().zip(&replayed).filter(|(a, b)| a != b).count();
     assert_eq!(differ, 0, "{differ} of {} logits differ", eager.len());

@@ -28,7 +28,7 @@ use kiln_kernels::DeviceArray;
 
 use super::batch::{Issued, Reads};
 use super::padded::{Inputs, Padded};
-use super::{Batch, GpuModel, KvPool, ModelError};
+use super::{Batch, GpuModel, GraphStats, KvPool, ModelError};
 
 /// Graphs a model keeps at most: recording one more drops the least recently replayed
 /// (contexts that grow move a session's steps through block-table widths and split counts,
@@ -42,6 +42,8 @@ pub(super) struct StepGraphs {
     graphs: HashMap<Key, StepGraph>,
     /// Steps replayed or recorded so far (the graphs' clock).
     steps: u64,
+    /// Graphs recorded so far (those dropped included).
+    recorded: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -69,6 +71,7 @@ impl StepGraphs {
             sizes,
             graphs: HashMap::new(),
             steps: 0,
+            recorded: 0,
         }
     }
 }
@@ -90,6 +93,17 @@ impl<R: Runtime> GpuModel<R> {
         }
         self.graphs = Some(std::sync::Mutex::new(StepGraphs::new(sizes)));
         Ok(())
+    }
+
+    /// What the model's decode graphs hold and have done (`None`: graphs are off).
+    pub fn graph_stats(&self) -> Option<GraphStats> {
+        let graphs = self.graphs.as_ref()?.lock().expect("decode graphs");
+        Some(GraphStats {
+            held: graphs.graphs.len(),
+            held_bytes: graphs.graphs.values().map(|g| g.graph.kept_bytes()).sum(),
+            recorded: graphs.recorded,
+            replayed: graphs.steps - graphs.recorded,
+        })
     }
 
     /// The client as the routed runtime's, if it is one.
@@ -176,6 +190,7 @@ impl<R: Runtime> GpuModel<R> {
             graphs.graphs.remove(&oldest.expect("graphs are kept"));
         }
         let used = now;
+        graphs.recorded += 1;
         graphs.graphs.insert(
             key,
             StepGraph {

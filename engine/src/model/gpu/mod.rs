@@ -30,6 +30,7 @@ pub use batch::{Batch, KvPool, Launched, LogitRows, RequestSlice, RowLogprobs, S
 pub(crate) use forward::RankStep;
 pub use host_kv::{Copied, HostKv};
 pub use synthetic::SyntheticQuant;
+
 use upload::{vector, DeviceLinear};
 
 use super::weights::{needed_tensors, progress_bar, Checkpoint, LoadError, LoadedWeight};
@@ -59,6 +60,20 @@ impl WeightSource for Checkpoint {
     fn linear(&self, name: &str, shape: [usize; 2]) -> Result<LoadedWeight, LoadError> {
         Checkpoint::linear(self, name, shape)
     }
+}
+
+/// What a model's decode graphs hold and have done ([`GpuModel::graph_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Graphs kept.
+    pub held: usize,
+    /// Device memory they hold: what their recordings allocated.
+    pub held_bytes: u64,
+    /// Graphs recorded so far, those dropped included (each one an eager step and a
+    /// capture: a count that keeps rising in a steady load means shapes churn).
+    pub recorded: u64,
+    /// Decode steps replayed from a graph.
+    pub replayed: u64,
 }
 
 /// Why the device model cannot be built or run.
@@ -330,6 +345,12 @@ impl<R: Runtime> GpuModel<R> {
         Err(ModelError::Graphs(
             "they need a build with the cuda feature and the cuda-routed backend".into(),
         ))
+    }
+
+    /// Without the `cuda` feature graphs are always off.
+    #[cfg(not(feature = "cuda"))]
+    pub fn graph_stats(&self) -> Option<GraphStats> {
+        None
     }
 
     /// A KV pool for this model: `num_pages` pages of `page_size` tokens per layer.
