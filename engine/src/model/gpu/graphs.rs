@@ -31,8 +31,8 @@ use super::padded::{Inputs, Padded};
 use super::{Batch, GpuModel, GraphStats, KvPool, ModelError};
 
 /// Graphs a model keeps at most: recording one more drops the least recently replayed
-/// (contexts that grow move a session's steps through block-table widths and split counts,
-/// and each graph holds its step's scratch).
+/// (contexts that grow move a session's steps through block-table widths, and each graph
+/// holds its step's scratch).
 const MAX_GRAPHS: usize = 24;
 
 /// The recorded decode graphs of a model, by shape.
@@ -58,6 +58,8 @@ struct Key {
 struct StepGraph {
     inputs: Inputs,
     graph: Captured,
+    /// The memory `graph` holds.
+    bytes: u64,
     issued: Issued,
     /// The clock when it last ran.
     used: u64,
@@ -100,7 +102,7 @@ impl<R: Runtime> GpuModel<R> {
         let graphs = self.graphs.as_ref()?.lock().expect("decode graphs");
         Some(GraphStats {
             held: graphs.graphs.len(),
-            held_bytes: graphs.graphs.values().map(|g| g.graph.kept_bytes()).sum(),
+            held_bytes: graphs.graphs.values().map(|g| g.bytes).sum(),
             recorded: graphs.recorded,
             replayed: graphs.steps - graphs.recorded,
         })
@@ -173,11 +175,12 @@ impl<R: Runtime> GpuModel<R> {
         let reads = step(self)?.reads(&self.client);
         let (graph, issued) = routed::capture(client, || step(self))
             .map_err(|e| ModelError::Graphs(e.to_string()))?;
+        let bytes = graph.kept_bytes();
         tracing::info!(
             batch = size,
             max_blocks = key.max_blocks,
             attention = ?key.attention,
-            held_mib = graph.kept_bytes() as f64 / (1 << 20) as f64,
+            held_mib = bytes as f64 / (1 << 20) as f64,
             "recorded a decode step as a CUDA graph"
         );
         if graphs.graphs.len() >= MAX_GRAPHS {
@@ -196,6 +199,7 @@ impl<R: Runtime> GpuModel<R> {
             StepGraph {
                 inputs,
                 graph,
+                bytes,
                 issued,
                 used,
             },
