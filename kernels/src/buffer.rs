@@ -2,15 +2,21 @@
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use cubecl::bytes::Bytes;
 use cubecl::prelude::*;
 use cubecl::server::{Handle, ServerError};
 
+use crate::arena::{carve_installed, Lease};
+
 /// `len` elements of `T` in device memory.
 pub struct DeviceArray<T> {
     handle: Handle,
     len: usize,
+    /// For an array carved from an [`Arena`](crate::arena::Arena): its range, held until
+    /// the last clone drops.
+    lease: Option<Arc<Lease>>,
     _elem: PhantomData<T>,
 }
 
@@ -19,6 +25,7 @@ impl<T> Clone for DeviceArray<T> {
         Self {
             handle: self.handle.clone(),
             len: self.len,
+            lease: self.lease.clone(),
             _elem: PhantomData,
         }
     }
@@ -42,6 +49,7 @@ impl<T: CubeElement> DeviceArray<T> {
         Self {
             handle: client.create_from_slice(T::as_bytes(data)),
             len: data.len(),
+            lease: None,
             _elem: PhantomData,
         }
     }
@@ -53,11 +61,18 @@ impl<T: CubeElement> DeviceArray<T> {
     }
 
     /// `len` elements, uninitialised: only for outputs a kernel overwrites entirely
-    /// (allocating without a host copy matters for gigabyte-sized buffers).
+    /// (allocating without a host copy matters for gigabyte-sized buffers). Carved from
+    /// the arena installed on this thread, if one is ([`crate::arena`]).
     pub fn uninit<R: Runtime>(client: &ComputeClient<R>, len: usize) -> Self {
+        let bytes = len * std::mem::size_of::<T>();
+        let (handle, lease) = match carve_installed(client, bytes as u64) {
+            Some((view, lease)) => (view, Some(lease)),
+            None => (client.empty(bytes), None),
+        };
         Self {
-            handle: client.empty(len * std::mem::size_of::<T>()),
+            handle,
             len,
+            lease,
             _elem: PhantomData,
         }
     }

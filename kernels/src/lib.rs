@@ -22,6 +22,7 @@
 //! for Blackwell (sm_120a), not dispatched yet.
 
 pub mod activation;
+pub mod arena;
 pub mod argmax;
 pub mod blackwell;
 pub mod buffer;

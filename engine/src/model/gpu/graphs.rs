@@ -12,9 +12,13 @@
 //! pages) and whether the step samples. Its inputs live in
 //! device buffers of its own, written in place before each replay (`routed::write`), and
 //! its outputs are read after it. The first step of a shape runs eagerly, which compiles
-//! its kernels, and is then recorded. A graph holds the memory its recording allocated
-//! (`routed::Captured`); at most [`MAX_GRAPHS`] are kept, the least recently run dropped
-//! first.
+//! its kernels, and is then recorded. The arrays a step allocates are carved from one
+//! arena all the graphs share (`kiln_kernels::arena`): a range freed inside a step is
+//! reused later in it, and one graph's scratch is another's, since graphs run one at a
+//! time on kiln's stream. Each graph's outputs stay leased to it; they are read (and a
+//! next step's tokens fed from them) before the next step runs. A graph also holds what
+//! its recording allocated outside the arena (`routed::Captured`); at most
+//! [`MAX_GRAPHS`] are kept, the least recently run dropped first.
 //!
 //! A replayed step computes what the eager step of the same padded batch computes, bit for
 //! bit. A batch smaller than its padded size can differ from its unpadded eager step in
@@ -23,6 +27,7 @@ use std::collections::HashMap;
 
 use cubecl::prelude::*;
 use kiln_backends::routed::{self, Captured, KilnCuda};
+use kiln_kernels::arena::Arena;
 use kiln_kernels::mla::{decode_launch, MmaShape};
 use kiln_kernels::DeviceArray;
 
@@ -44,6 +49,8 @@ pub(super) struct StepGraphs {
     steps: u64,
     /// Graphs recorded so far (those dropped included).
     recorded: u64,
+    /// The memory every graph's scratch and outputs are carved from (`kiln_kernels::arena`).
+    arena: Arena,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -58,7 +65,7 @@ struct Key {
 struct StepGraph {
     inputs: Inputs,
     graph: Captured,
-    /// The memory `graph` holds.
+    /// The memory `graph` holds outside the arena.
     bytes: u64,
     issued: Issued,
     /// The clock when it last ran.
@@ -74,6 +81,7 @@ impl StepGraphs {
             graphs: HashMap::new(),
             steps: 0,
             recorded: 0,
+            arena: Arena::new(),
         }
     }
 }
@@ -102,7 +110,7 @@ impl<R: Runtime> GpuModel<R> {
         let graphs = self.graphs.as_ref()?.lock().expect("decode graphs");
         Some(GraphStats {
             held: graphs.graphs.len(),
-            held_bytes: graphs.graphs.values().map(|g| g.bytes).sum(),
+            held_bytes: graphs.arena.bytes() + graphs.graphs.values().map(|g| g.bytes).sum::<u64>(),
             recorded: graphs.recorded,
             replayed: graphs.steps - graphs.recorded,
         })
@@ -171,16 +179,26 @@ impl<R: Runtime> GpuModel<R> {
         if !batch.from_previous.is_empty() {
             self.fed(previous, &batch.from_previous, &inputs.plan.tokens)?;
         }
-        let step = |model: &Self| model.issue(&inputs.plan, pool, inputs.params.as_ref(), batch);
+        let arena = graphs.arena.clone();
+        let step = |model: &Self| {
+            let _carved = arena.install();
+            model.issue(&inputs.plan, pool, inputs.params.as_ref(), batch)
+        };
+        // The eager step grows the arena to what the step needs, outside the capture.
         let reads = step(self)?.reads(&self.client);
+        let before = arena.bytes();
         let (graph, issued) = routed::capture(client, || step(self))
             .map_err(|e| ModelError::Graphs(e.to_string()))?;
-        let bytes = graph.kept_bytes();
+        // What the recording allocated that the arena does not hold.
+        let bytes = (graph.kept_bytes()).saturating_sub(arena.bytes() - before);
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
         tracing::info!(
             batch = size,
             max_blocks = key.max_blocks,
             attention = ?key.attention,
-            held_mib = bytes as f64 / (1 << 20) as f64,
+            arena_mib = mib(arena.bytes()),
+            outputs_mib = mib(arena.leased_bytes()),
+            own_mib = mib(bytes),
             "recorded a decode step as a CUDA graph"
         );
         if graphs.graphs.len() >= MAX_GRAPHS {

@@ -67,7 +67,8 @@ impl WeightSource for Checkpoint {
 pub struct GraphStats {
     /// Graphs kept.
     pub held: usize,
-    /// Device memory they hold: what their recordings allocated.
+    /// Device memory they hold: the arena their steps' arrays are carved from, and what
+    /// their recordings allocated outside it.
     pub held_bytes: u64,
     /// Graphs recorded so far, those dropped included (each one an eager step and a
     /// capture: a count that keeps rising in a steady load means shapes churn).

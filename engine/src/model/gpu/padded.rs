@@ -215,4 +215,40 @@ mod tests {
             );
         }
     }
+    /// The padded step issued with its arrays carved from an arena (as a recorded graph's
+    /// are: views at offsets into shared chunks) computes the same logits and tokens, bit
+    /// for bit, as with memory of their own; once its outputs are dropped the arena holds
+    /// no lease, and a second step reuses its chunks.
+    #[test]
+    fn a_step_carved_from_an_arena_computes_the_same_bits() {
+        let dir =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf/tiny-kimi-nvfp4");
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let model = GpuModel::load_with(Wgpu::client(), &ckpt, Precision::Exact).unwrap();
+        let (cl, vocab) = (model.client(), model.config.vocab_size);
+        let lens = [5, 9, 2];
+        let prefill = Batch::new((0..3).map(|i| slice(i, lens[i], lens[i])).collect());
+        let mut decode = Batch::last_logits((0..3).map(|i| slice(i, lens[i] + 1, 1)).collect());
+        decode.sampling = Some(vec![SamplingRow::greedy(); 3]);
+        let arena = kiln_kernels::arena::Arena::new();
+        let run = |carved: bool| {
+            let kv = pool(&model, 24);
+            model.forward(&prefill, &kv).unwrap();
+            let layout = decode.layout(vocab, &kv).unwrap();
+            let inputs = Padded::new(&decode, &layout, 4, 4).upload(cl);
+            let _carving = carved.then(|| arena.install());
+            let issued = model.issue(&inputs.plan, &kv, inputs.params.as_ref(), &decode);
+            let issued = issued.unwrap();
+            let bits: Vec<u32> = issued.logits.read(cl).iter().map(|v| v.to_bits()).collect();
+            (bits, issued.sampled.expect("sampled").0.read(cl))
+        };
+        let own = run(false);
+        assert_eq!(arena.bytes(), 0, "nothing carved without the arena installed");
+        assert_eq!(run(true), own);
+        let bytes = arena.bytes();
+        assert!(bytes > 0);
+        assert_eq!(arena.leased_bytes(), 0, "every array released");
+        assert_eq!(run(true), own);
+        assert_eq!(arena.bytes(), bytes, "the second step fits the first's chunks");
+    }
 }
