@@ -197,7 +197,7 @@ impl<R: Runtime> GpuModel<R> {
             max_blocks = key.max_blocks,
             attention = ?key.attention,
             arena_mib = mib(arena.bytes()),
-            outputs_mib = mib(arena.leased_bytes()),
+            leased_mib = mib(arena.leased_bytes()),
             own_mib = mib(bytes),
             "recorded a decode step as a CUDA graph"
         );
