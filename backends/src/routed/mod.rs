@@ -157,29 +157,58 @@ pub fn replay(client: &ComputeClient<KilnCuda>, captured: &Captured) -> Result<(
     Ok(captured.graph.launch()?)
 }
 
-/// Writes `data` over the start of `array` in place, in order on kiln's stream (after what
-/// `client` issued before, before what it issues after): how a graph's inputs change between
-/// replays, since a capture holds no copies. The host data is staged by the driver before
-/// this returns.
+/// Where an array lives on the device, resolved once: what [`write_all`] writes to without
+/// asking CubeCL's server thread for the address again. Holds the array, so the address
+/// stays its.
+pub struct Target<T> {
+    array: DeviceArray<T>,
+    address: u64,
+}
+
+impl<T: CubeElement> Target<T> {
+    /// `array`'s target (a round trip to the client's server thread).
+    pub fn of(client: &ComputeClient<KilnCuda>, array: &DeviceArray<T>) -> Result<Self, LaunchError> {
+        let address = (client.get_resource(array.handle().clone()))
+            .map_err(|e| LaunchError::Unsupported(format!("the array's address: {e}")))?
+            .resource()
+            .ptr;
+        Ok(Target {
+            array: array.clone(),
+            address,
+        })
+    }
+}
+
+/// Writes each `data` over the start of its target in place, in order on kiln's stream
+/// (after what `client` issued before, before what it issues after): how a graph's inputs
+/// change between replays, since a capture holds no copies. The host data is staged by
+/// the driver before this returns.
+pub fn write_all<T: CubePrimitive + CubeElement>(
+    client: &ComputeClient<KilnCuda>,
+    writes: &[(&Target<T>, &[T])],
+) -> Result<(), LaunchError> {
+    if let Some((target, data)) = writes.iter().find(|(t, d)| d.len() > t.array.len()) {
+        return Err(LaunchError::Unsupported(format!(
+            "{} values written into an array of {}",
+            data.len(),
+            target.array.len()
+        )));
+    }
+    let stream = stream_after(client)?;
+    for (target, data) in writes {
+        // SAFETY: the target's address starts its live array (held by the target) of at
+        // least `data.len()` elements; the source is pageable, so the driver copies it out
+        // before returning.
+        unsafe { cudarc::driver::result::memcpy_htod_async(target.address, data, stream.cu_stream()) }?;
+    }
+    Ok(())
+}
+
+/// [`write_all`] into one array, its address resolved for this write.
 pub fn write<T: CubePrimitive + CubeElement>(
     client: &ComputeClient<KilnCuda>,
     array: &DeviceArray<T>,
     data: &[T],
 ) -> Result<(), LaunchError> {
-    if data.len() > array.len() {
-        return Err(LaunchError::Unsupported(format!(
-            "{} values written into an array of {}",
-            data.len(),
-            array.len()
-        )));
-    }
-    let address = (client.get_resource(array.handle().clone()))
-        .map_err(|e| LaunchError::Unsupported(format!("the array's address: {e}")))?
-        .resource()
-        .ptr;
-    let stream = stream_after(client)?;
-    // SAFETY: `address` starts a live buffer of at least `data.len()` elements; the source
-    // is pageable, so the driver copies it out before returning.
-    unsafe { cudarc::driver::result::memcpy_htod_async(address, data, stream.cu_stream()) }?;
-    Ok(())
+    write_all(client, &[(&Target::of(client, array)?, data)])
 }

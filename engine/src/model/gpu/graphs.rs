@@ -10,7 +10,8 @@
 //! ([`kiln_kernels::mla::decode_launch`], chosen for the table's width, so they change
 //! only with it: a request's growing context is recorded once per power of two of its
 //! pages) and whether the step samples. Its inputs live in
-//! device buffers of its own, written in place before each replay (`routed::write`), and
+//! device buffers of its own, written in place before each replay (`routed::write_all`,
+//! their addresses resolved when the graph is recorded), and
 //! its outputs are read after it. The first step of a shape runs eagerly, which compiles
 //! its kernels, and is then recorded. The arrays a step allocates are carved from one
 //! arena all the graphs share (`kiln_kernels::arena`): a range freed inside a step is
@@ -26,7 +27,7 @@
 use std::collections::HashMap;
 
 use cubecl::prelude::*;
-use kiln_backends::routed::{self, Captured, KilnCuda};
+use kiln_backends::routed::{self, Captured, KilnCuda, Target};
 use kiln_kernels::arena::Arena;
 use kiln_kernels::mla::{decode_launch, MmaShape};
 use kiln_kernels::DeviceArray;
@@ -39,6 +40,9 @@ use super::{Batch, GpuModel, GraphStats, KvPool, ModelError};
 /// (contexts that grow move a session's steps through block-table widths, and each graph
 /// holds its step's scratch).
 const MAX_GRAPHS: usize = 24;
+
+/// A replayed step's reads, and the rows and width of its logits that are the batch's.
+type Replayed<'a> = (Reads<'a>, (usize, usize));
 
 /// The recorded decode graphs of a model, by shape.
 pub(super) struct StepGraphs {
@@ -64,6 +68,8 @@ struct Key {
 /// One recorded step: its input buffers, the graph, and what it leaves on the device.
 struct StepGraph {
     inputs: Inputs,
+    /// Where [`writes`]' buffers of `inputs` live, in its order.
+    targets: Vec<Target<u32>>,
     graph: Captured,
     /// The memory `graph` holds outside the arena.
     bytes: u64,
@@ -129,7 +135,7 @@ impl<R: Runtime> GpuModel<R> {
         batch: &Batch,
         pool: &KvPool,
         previous: Option<&DeviceArray<u32>>,
-    ) -> Result<Option<(Reads<'_>, (usize, usize))>, ModelError> {
+    ) -> Result<Option<Replayed<'_>>, ModelError> {
         let Some(graphs) = &self.graphs else {
             return Ok(None);
         };
@@ -162,10 +168,9 @@ impl<R: Runtime> GpuModel<R> {
         let now = graphs.steps;
         if let Some(graph) = graphs.graphs.get_mut(&key) {
             graph.used = now;
-            for (device, host) in writes(&padded, &graph.inputs) {
-                routed::write(client, device, host)
-                    .map_err(|e| ModelError::Graphs(e.to_string()))?;
-            }
+            let hosts = writes(&padded, &graph.inputs).into_iter().map(|(_, host)| host);
+            let inputs: Vec<_> = graph.targets.iter().zip(hosts).collect();
+            routed::write_all(client, &inputs).map_err(|e| ModelError::Graphs(e.to_string()))?;
             if !batch.from_previous.is_empty() {
                 self.fed(previous, &batch.from_previous, &graph.inputs.plan.tokens)?;
             }
@@ -210,12 +215,17 @@ impl<R: Runtime> GpuModel<R> {
                 .map_err(|e| ModelError::Graphs(e.to_string()))?;
             graphs.graphs.remove(&oldest.expect("graphs are kept"));
         }
+        let targets = (writes(&padded, &inputs).into_iter())
+            .map(|(device, _)| Target::of(client, device))
+            .collect::<Result<_, _>>()
+            .map_err(|e| ModelError::Graphs(e.to_string()))?;
         let used = now;
         graphs.recorded += 1;
         graphs.graphs.insert(
             key,
             StepGraph {
                 inputs,
+                targets,
                 graph,
                 bytes,
                 issued,
