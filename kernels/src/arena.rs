@@ -89,8 +89,8 @@ impl Arena {
     /// A view of `bytes` of the arena and its lease; a new chunk when none has room.
     fn carve<R: Runtime>(&self, client: &ComputeClient<R>, bytes: u64) -> (Handle, Lease) {
         let mut chunks = self.0.lock().expect("arena");
-        let found = (chunks.iter_mut().enumerate())
-            .find_map(|(i, c)| c.ranges.take(bytes).map(|r| (i, r)));
+        let found =
+            (chunks.iter_mut().enumerate()).find_map(|(i, c)| c.ranges.take(bytes).map(|r| (i, r)));
         let (chunk, range) = found.unwrap_or_else(|| {
             let size = bytes.next_multiple_of(ALIGN).max(MIN_CHUNK);
             let mut ranges = Ranges::new(size);
@@ -156,7 +156,10 @@ impl Ranges {
     /// Returns a range [`Ranges::take`] leased.
     fn release(&mut self, range: Range<u64>) {
         let i = self.free.partition_point(|r| r.start < range.start);
-        debug_assert!(i == 0 || self.free[i - 1].end <= range.start, "released twice");
+        debug_assert!(
+            i == 0 || self.free[i - 1].end <= range.start,
+            "released twice"
+        );
         self.free.insert(i, range);
         if i + 1 < self.free.len() && self.free[i].end == self.free[i + 1].start {
             self.free[i].end = self.free.remove(i + 1).end;
@@ -224,6 +227,10 @@ mod tests {
         assert_eq!(ranges.take(10), Some(0..ALIGN), "first fit reuses the hole");
         assert_eq!(ranges.take(5 * ALIGN), None, "4 units left");
         ranges.release(b);
-        assert_eq!(ranges.take(7 * ALIGN), Some(ALIGN..8 * ALIGN), "merged with the tail");
+        assert_eq!(
+            ranges.take(7 * ALIGN),
+            Some(ALIGN..8 * ALIGN),
+            "merged with the tail"
+        );
     }
 }

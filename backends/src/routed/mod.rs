@@ -167,7 +167,10 @@ pub struct Target<T> {
 
 impl<T: CubeElement> Target<T> {
     /// `array`'s target (a round trip to the client's server thread).
-    pub fn of(client: &ComputeClient<KilnCuda>, array: &DeviceArray<T>) -> Result<Self, LaunchError> {
+    pub fn of(
+        client: &ComputeClient<KilnCuda>,
+        array: &DeviceArray<T>,
+    ) -> Result<Self, LaunchError> {
         let address = (client.get_resource(array.handle().clone()))
             .map_err(|e| LaunchError::Unsupported(format!("the array's address: {e}")))?
             .resource()
@@ -199,7 +202,9 @@ pub fn write_all<T: CubePrimitive + CubeElement>(
         // SAFETY: the target's address starts its live array (held by the target) of at
         // least `data.len()` elements; the source is pageable, so the driver copies it out
         // before returning.
-        unsafe { cudarc::driver::result::memcpy_htod_async(target.address, data, stream.cu_stream()) }?;
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(target.address, data, stream.cu_stream())
+        }?;
     }
     Ok(())
 }

@@ -71,7 +71,10 @@ fn generate_continues_the_prompt_like_the_reference_model() {
         String::from_utf8_lossy(&out.stderr)
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("first decode step") && stderr.contains("tokens/s"), "{stderr}");
+    assert!(
+        stderr.contains("first decode step") && stderr.contains("tokens/s"),
+        "{stderr}"
+    );
     let mut tokens = ids_after("prompt ids:", &stdout);
     let completion = ids_after("completion ids:", &stdout);
     assert!(!completion.is_empty());

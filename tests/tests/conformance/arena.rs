@@ -11,16 +11,16 @@ use kiln_kernels::fill::fill_random_bits;
 use kiln_kernels::DeviceArray;
 use proptest::prelude::*;
 
-fn carved_arrays_are_their_own_and_their_ranges_come_back<R: Runtime>(
-    client: &ComputeClient<R>,
-) {
+fn carved_arrays_are_their_own_and_their_ranges_come_back<R: Runtime>(client: &ComputeClient<R>) {
     let arena = Arena::new();
     let installed = arena.install();
     let grown = std::cell::Cell::new(None);
     let lens = prop::collection::vec(1usize..5000, 1..8);
     run_cases(12, &(lens, any::<u32>()), |(lens, seed)| {
-        let carved: Vec<DeviceArray<u32>> =
-            lens.iter().map(|&n| DeviceArray::uninit(client, n)).collect();
+        let carved: Vec<DeviceArray<u32>> = lens
+            .iter()
+            .map(|&n| DeviceArray::uninit(client, n))
+            .collect();
         for (i, array) in carved.iter().enumerate() {
             fill_random_bits(client, array, seed ^ i as u32, !0, 0).unwrap();
         }
@@ -41,7 +41,12 @@ fn carved_arrays_are_their_own_and_their_ranges_come_back<R: Runtime>(
         );
         silu_mul(client, &gate, &up, &carved_out).unwrap();
         silu_mul(client, &gate, &up, &own_out).unwrap();
-        let bits = |a: &DeviceArray<f32>| a.read(client).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let bits = |a: &DeviceArray<f32>| {
+            a.read(client)
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
         prop_assert_eq!(bits(&carved_out), bits(&own_out));
         drop(carved);
         drop(carved_out);

@@ -9,9 +9,9 @@
 //! table's width, the attention kernel's form and split count
 //! ([`kiln_kernels::mla::decode_launch`], chosen for the table's width, so they change
 //! only with it: a request's growing context is recorded once per power of two of its
-//! pages) and whether the step samples. Its inputs live in
-//! device buffers of its own, written in place before each replay (`routed::write_all`,
-//! their addresses resolved when the graph is recorded), and
+//! pages) and whether the step samples. Its inputs live in device buffers of its own,
+//! written in place before each replay (`routed::write_all`, their addresses resolved
+//! when the graph is recorded), and
 //! its outputs are read after it. The first step of a shape runs eagerly, which compiles
 //! its kernels, and is then recorded. The arrays a step allocates are carved from one
 //! arena all the graphs share (`kiln_kernels::arena`): a range freed inside a step is
@@ -168,7 +168,9 @@ impl<R: Runtime> GpuModel<R> {
         let now = graphs.steps;
         if let Some(graph) = graphs.graphs.get_mut(&key) {
             graph.used = now;
-            let hosts = writes(&padded, &graph.inputs).into_iter().map(|(_, host)| host);
+            let hosts = writes(&padded, &graph.inputs)
+                .into_iter()
+                .map(|(_, host)| host);
             let inputs: Vec<_> = graph.targets.iter().zip(hosts).collect();
             routed::write_all(client, &inputs).map_err(|e| ModelError::Graphs(e.to_string()))?;
             if !batch.from_previous.is_empty() {

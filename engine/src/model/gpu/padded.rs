@@ -178,7 +178,10 @@ mod tests {
         decode.sampling = Some(vec![SamplingRow::greedy(); 3]);
         let padded = Padded::new(&decode, &layout, 5, 4);
         assert_eq!(padded.max_blocks, 4, "3 pages widened to a power of two");
-        assert_eq!(padded.max_kv_len, 16, "shaped for the 4 pages, not the 10 positions");
+        assert_eq!(
+            padded.max_kv_len, 16,
+            "shaped for the 4 pages, not the 10 positions"
+        );
         let inputs = padded.upload(cl);
         let issued = model.issue(&inputs.plan, &padded_pool, inputs.params.as_ref(), &decode);
         let issued = issued.unwrap();
@@ -243,12 +246,20 @@ mod tests {
             (bits, issued.sampled.expect("sampled").0.read(cl))
         };
         let own = run(false);
-        assert_eq!(arena.bytes(), 0, "nothing carved without the arena installed");
+        assert_eq!(
+            arena.bytes(),
+            0,
+            "nothing carved without the arena installed"
+        );
         assert_eq!(run(true), own);
         let bytes = arena.bytes();
         assert!(bytes > 0);
         assert_eq!(arena.leased_bytes(), 0, "every array released");
         assert_eq!(run(true), own);
-        assert_eq!(arena.bytes(), bytes, "the second step fits the first's chunks");
+        assert_eq!(
+            arena.bytes(),
+            bytes,
+            "the second step fits the first's chunks"
+        );
     }
 }
