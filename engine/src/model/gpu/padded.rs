@@ -152,20 +152,27 @@ mod tests {
         }
     }
 
+    /// The tiny NVFP4 Kimi fixture, and three requests of 5, 9 and 2 tokens: their prefill,
+    /// and their next decode step.
+    fn three_requests() -> (GpuModel<<Wgpu as Backend>::Runtime>, Batch, Batch) {
+        let dir =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf/tiny-kimi-nvfp4");
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let model = GpuModel::load_with(Wgpu::client(), &ckpt, Precision::Exact).unwrap();
+        let lens = [5, 9, 2];
+        let prefill = Batch::new((0..3).map(|i| slice(i, lens[i], lens[i])).collect());
+        let decode = Batch::last_logits((0..3).map(|i| slice(i, lens[i] + 1, 1)).collect());
+        (model, prefill, decode)
+    }
+
     /// Three requests decoding one token, padded to five: their rows' logits are the
     /// unpadded step's (within the f32 chain's rounding), the tokens drawn on the device
     /// with padded sampling rows are their greedy tokens, the padding rows' logits are
     /// finite, and nothing is written where the unpadded step writes nothing.
     #[test]
     fn padding_rows_compute_aside_and_write_no_kv() {
-        let dir =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf/tiny-kimi-nvfp4");
-        let ckpt = Checkpoint::open(&dir).unwrap();
-        let model = GpuModel::load_with(Wgpu::client(), &ckpt, Precision::Exact).unwrap();
+        let (model, prefill, mut decode) = three_requests();
         let (cl, vocab) = (model.client(), model.config.vocab_size);
-        let lens = [5, 9, 2];
-        let prefill = Batch::new((0..3).map(|i| slice(i, lens[i], lens[i])).collect());
-        let mut decode = Batch::last_logits((0..3).map(|i| slice(i, lens[i] + 1, 1)).collect());
         assert!(decode.paddable() && !prefill.paddable());
 
         let plain = pool(&model, 24);
@@ -218,20 +225,15 @@ mod tests {
             );
         }
     }
+
     /// The padded step issued with its arrays carved from an arena (as a recorded graph's
     /// are: views at offsets into shared chunks) computes the same logits and tokens, bit
     /// for bit, as with memory of their own; once its outputs are dropped the arena holds
     /// no lease, and a second step reuses its chunks.
     #[test]
     fn a_step_carved_from_an_arena_computes_the_same_bits() {
-        let dir =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf/tiny-kimi-nvfp4");
-        let ckpt = Checkpoint::open(&dir).unwrap();
-        let model = GpuModel::load_with(Wgpu::client(), &ckpt, Precision::Exact).unwrap();
+        let (model, prefill, mut decode) = three_requests();
         let (cl, vocab) = (model.client(), model.config.vocab_size);
-        let lens = [5, 9, 2];
-        let prefill = Batch::new((0..3).map(|i| slice(i, lens[i], lens[i])).collect());
-        let mut decode = Batch::last_logits((0..3).map(|i| slice(i, lens[i] + 1, 1)).collect());
         decode.sampling = Some(vec![SamplingRow::greedy(); 3]);
         let arena = kiln_kernels::arena::Arena::new();
         let run = |carved: bool| {
